@@ -104,6 +104,10 @@ class ModelConfig:
                 raise ConfigError(f"layer_types may only hold {SLIDING!r} / {FULL!r}, got {bad}")
             if SLIDING in self.layer_types and self.sliding_window is None:
                 raise ConfigError("layer_types has sliding layers but sliding_window is not set")
+        if self.kv_share > 1 and self.layer_types is not None:
+            for i in range(self.n_layers):
+                if self.layer_types[i] != self.layer_types[self.kv_owner(i)]:
+                    raise ConfigError(f"layer {i} shares K/V with layer {self.kv_owner(i)} of another layer type")
         if self.is_mla:
             for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
                 if getattr(self, name) <= 0:
@@ -112,6 +116,8 @@ class ModelConfig:
                 raise ConfigError("qk_rope_head_dim must be even (rotary pairs)")
             if self.kv_share != 1:
                 raise ConfigError("cross-layer sharing (kv_share > 1) is not combined with MLA here")
+            if self.sliding_window is not None:
+                raise ConfigError("a sliding window is not combined with MLA here")
         elif self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
 

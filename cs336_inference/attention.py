@@ -1,0 +1,240 @@
+"""Attention and the variants that shrink the KV cache: MHA / GQA / MQA, sliding window, CLA, MLA.
+
+    MHA   K = N: every query head has its own key/value head.
+    GQA   N/K query heads share each K/V head: the cache shrinks by N/K.
+    MQA   K = 1: one K/V head for all query heads.
+    sliding window W: a query sees only the last W keys, so a ring of W slots suffices.
+    CLA   groups of kv_share layers reuse the first layer's K/V: the cache shrinks by kv_share.
+    MLA   keys and values are up-projected from a small latent c_kv that is all the cache holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from einops import rearrange
+from jaxtyping import Bool, Float, Int
+from torch import Tensor, nn
+
+from .config import ModelConfig
+from .kv_cache import KVCache, RingKVCache
+from .layers import Linear, RMSNorm, apply_rope, interleaved_to_half
+
+
+def attention_mask(
+    q_steps: Int[Tensor, " T"],
+    k_steps: Int[Tensor, " S"],
+    window: int | None = None,
+    pad: Int[Tensor, " B"] | None = None,
+) -> Bool[Tensor, "B T S"]:
+    """Which keys each query may see (True = visible); batch dim is 1 when there is no padding.
+
+    Causal: key step j is visible to query step i iff 0 <= j <= i (j = -1 marks an empty slot).
+    Sliding window W: additionally i - W < j (the window counts the current token).
+    Left padding: keys in row b's first pad[b] steps are never visible (a padding query sees
+    itself only, so its row of the softmax is never empty).
+    """
+    q, k = q_steps[:, None], k_steps[None, :]
+    # BEGIN SOLUTION attention
+    visible = (k <= q) & (k >= 0)
+    # END SOLUTION
+    if window is not None:
+        # BEGIN SOLUTION sliding_window
+        visible = visible & (k > q - window)
+        # END SOLUTION
+    if pad is None:
+        return visible[None]
+    not_pad = k[None] >= pad[:, None, None]
+    return visible[None] & (not_pad | (k == q)[None])
+
+
+def attend(
+    q: Float[Tensor, "B N T H"],
+    k: Float[Tensor, "B K S H"],
+    v: Float[Tensor, "B K S Hv"],
+    mask: Bool[Tensor, "B T S"] | None,
+    scale: float,
+) -> Float[Tensor, "B N T Hv"]:
+    """softmax(q k^T * scale + mask) v, with each K/V head serving N/K consecutive query heads.
+
+    Decode reads all of k and v (2 * B * K * S * H numbers) for only 4 * B * N * S * H FLOPs:
+    arithmetic intensity about N/K, however large B is. That is why decode is memory-bound.
+    """
+    # BEGIN SOLUTION attention
+    K = k.shape[1]
+    qg = rearrange(q, "b (k g) t h -> b k g t h", k=K)
+    scores = torch.einsum("bkgth,bksh->bkgts", qg, k) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = scores.float().softmax(dim=-1).to(v.dtype)
+    out = torch.einsum("bkgts,bksh->bkgth", probs, v)
+    return rearrange(out, "b k g t h -> b (k g) t h")
+    # END SOLUTION
+
+
+@dataclass
+class ForwardContext:
+    """What every layer of one forward pass shares: steps, rotary angles, cache, masks, CLA K/V."""
+
+    q_steps: Int[Tensor, " T"]
+    start: int
+    cos: Float[Tensor, "B T R"]
+    sin: Float[Tensor, "B T R"]
+    pad: Int[Tensor, " B"] | None = None
+    cache: KVCache | None = None
+    masks: dict = field(default_factory=dict)
+    kv: dict = field(default_factory=dict)  # layer -> (k, v, steps), for CLA borrowers
+
+    def mask(self, steps: Tensor, window: int | None, store) -> Tensor | None:
+        """The mask for these key steps, built once per forward for each kind of layer."""
+        T = self.q_steps.shape[0]
+        if T == 1 and self.pad is None:
+            if isinstance(store, RingKVCache):
+                if store.pos >= store.slots == store.window:
+                    return None  # a full ring of exactly W slots is the window
+            elif window is None or steps.shape[0] <= window:
+                return None  # one query at the last step sees every key
+        key = (window, type(store).__name__, steps.shape[0])
+        if key not in self.masks:
+            self.masks[key] = attention_mask(self.q_steps, steps, window, self.pad)
+        return self.masks[key]
+
+
+class Attention(nn.Module):
+    """Multi-head attention with K <= N key/value heads, optional sliding window and CLA sharing."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.owner = layer, cfg.kv_owner(layer)
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.window = cfg.layer_window(layer)
+        self.scale = cfg.head_dim**-0.5
+        D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = Linear(D, N * H, bias=cfg.qkv_bias)
+        if self.owner == layer:  # CLA: only the first layer of a group projects keys and values
+            self.k_proj = Linear(D, K * H, bias=cfg.qkv_bias)
+            self.v_proj = Linear(D, K * H, bias=cfg.qkv_bias)
+        self.o_proj = Linear(N * H, D)
+
+    def forward(self, x: Float[Tensor, "B T D"], ctx: ForwardContext) -> Float[Tensor, "B T D"]:
+        H = self.head_dim
+        q = apply_rope(rearrange(self.q_proj(x), "b t (n h) -> b n t h", h=H), ctx.cos, ctx.sin)
+        store = ctx.cache.layers[self.owner] if ctx.cache is not None else None
+        if self.owner == self.layer:
+            k = apply_rope(rearrange(self.k_proj(x), "b t (k h) -> b k t h", h=H), ctx.cos, ctx.sin)
+            v = rearrange(self.v_proj(x), "b t (k h) -> b k t h", h=H)
+            if store is not None:
+                k, v, steps = store.update(k, v, ctx.start)
+            else:
+                steps = ctx.q_steps
+            ctx.kv[self.layer] = (k, v, steps)
+        else:
+            # BEGIN SOLUTION cla
+            k, v, steps = ctx.kv[self.owner]
+            # END SOLUTION
+        out = attend(q, k, v, ctx.mask(steps, self.window, store), self.scale)
+        return self.o_proj(rearrange(out, "b n t h -> b t (n h)"))
+
+
+LATENT_NORM_EPS = 1e-6  # DeepSeek normalizes its latents with a fixed eps, not config.rms_norm_eps
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3).
+
+    Per token the cache keeps c_kv = norm(W_DKV x) (kv_lora_rank numbers) and one rotary key
+    k_pe shared by all heads (qk_rope_head_dim numbers). Keys and values of head n are
+    k_n = [W_UK_n c_kv, k_pe], v_n = W_UV_n c_kv.
+
+    naive:    up-project the cached latents to per-head keys and values, then attend.
+    absorbed: q_n . (W_UK_n c) = (W_UK_n^T q_n) . c, so fold W_UK into the query, attend over
+              the latents directly, and apply W_UV after attention: no per-head K/V is built.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        D, N = cfg.d_model, cfg.n_heads
+        self.layer, self.n_heads = layer, N
+        self.r, self.p = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.nope, self.v_dim = cfg.qk_nope_head_dim, cfg.v_head_dim
+        self.rope_interleave = cfg.rope_interleave
+        self.scale = (self.nope + self.p) ** -0.5
+        self.absorb: bool | None = None  # None: absorbed for decode (T == 1), naive otherwise
+        q_dim = N * (self.nope + self.p)
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(D, q_dim)
+        else:
+            self.q_a_proj = Linear(D, cfg.q_lora_rank)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = Linear(cfg.q_lora_rank, q_dim)
+        self.kv_a_proj = Linear(D, self.r + self.p)
+        self.kv_a_norm = RMSNorm(self.r, LATENT_NORM_EPS)
+        self.kv_b_proj = Linear(self.r, N * (self.nope + self.v_dim))
+        self.o_proj = Linear(N * self.v_dim, D)
+
+    def _rope(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        if self.rope_interleave:
+            x = interleaved_to_half(x)
+        return apply_rope(x, ctx.cos, ctx.sin)
+
+    def forward(self, x: Float[Tensor, "B T D"], ctx: ForwardContext) -> Float[Tensor, "B T D"]:
+        T = x.shape[1]
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        q = rearrange(q, "b t (n d) -> b n t d", n=self.n_heads)
+        q_nope, q_pe = q.split([self.nope, self.p], dim=-1)
+        q_pe = self._rope(q_pe, ctx)
+        c_kv, k_pe = self.kv_a_proj(x).split([self.r, self.p], dim=-1)
+        c_kv = self.kv_a_norm(c_kv)
+        k_pe = self._rope(k_pe[:, None], ctx)[:, 0]  # one rotary key for all heads
+        store = ctx.cache.layers[self.layer] if ctx.cache is not None else None
+        if store is not None:
+            c_kv, k_pe, steps = store.update(c_kv, k_pe, ctx.start)
+        else:
+            steps = ctx.q_steps
+        mask = ctx.mask(steps, None, store)
+        absorb = (T == 1) if self.absorb is None else self.absorb
+        out = self.absorbed(q_nope, q_pe, c_kv, k_pe, mask) if absorb else self.naive(q_nope, q_pe, c_kv, k_pe, mask)
+        return self.o_proj(rearrange(out, "b n t v -> b t (n v)"))
+
+    def _w_uk_uv(self) -> tuple[Float[Tensor, "N nope r"], Float[Tensor, "N v r"]]:
+        w = rearrange(self.kv_b_proj.weight, "(n d) r -> n d r", n=self.n_heads)
+        return w[:, : self.nope], w[:, self.nope :]
+
+    def naive(
+        self,
+        q_nope: Float[Tensor, "B N T nope"],
+        q_pe: Float[Tensor, "B N T p"],
+        c_kv: Float[Tensor, "B S r"],
+        k_pe: Float[Tensor, "B S p"],
+        mask: Bool[Tensor, "B T S"] | None,
+    ) -> Float[Tensor, "B N T v"]:
+        """Up-project every cached latent to per-head keys and values, then attend."""
+        # BEGIN SOLUTION mla
+        kv = rearrange(self.kv_b_proj(c_kv), "b s (n d) -> b n s d", n=self.n_heads)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None].expand(-1, self.n_heads, -1, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        return attend(q, k, v, mask, self.scale)
+        # END SOLUTION
+
+    def absorbed(
+        self,
+        q_nope: Float[Tensor, "B N T nope"],
+        q_pe: Float[Tensor, "B N T p"],
+        c_kv: Float[Tensor, "B S r"],
+        k_pe: Float[Tensor, "B S p"],
+        mask: Bool[Tensor, "B T S"] | None,
+    ) -> Float[Tensor, "B N T v"]:
+        """Attend over the latents: W_UK folded into the query, W_UV applied to the output."""
+        # BEGIN SOLUTION mla
+        w_uk, w_uv = self._w_uk_uv()
+        q_latent = torch.einsum("bntd,ndr->bntr", q_nope, w_uk)
+        scores = torch.einsum("bntr,bsr->bnts", q_latent, c_kv) + torch.einsum("bntp,bsp->bnts", q_pe, k_pe)
+        scores = scores * self.scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        probs = scores.float().softmax(dim=-1).to(c_kv.dtype)
+        out_latent = torch.einsum("bnts,bsr->bntr", probs, c_kv)
+        return torch.einsum("bntr,nvr->bntv", out_latent, w_uv)
+        # END SOLUTION

@@ -1,0 +1,132 @@
+"""TransformerLM: a Llama-style decoder (pre-norm blocks, RoPE, SwiGLU) with swappable attention.
+
+    x = embed(ids)
+    for each of L blocks:  x = x + attn(norm(x));  x = x + mlp(norm(x))
+    logits = norm(x) W_vocab^T            (W_vocab = the embedding when tie_embeddings)
+
+`model(ids)` is the full causal forward. `model(ids, cache=cache)` processes the next T tokens
+against a KV cache from `model.new_cache(...)` (prefill: T = prompt length; decode: T = 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from .attention import MLA, Attention, ForwardContext
+from .config import ModelConfig
+from .kv_cache import KVCache, MLACache, RingKVCache, StaticKVCache
+from .layers import Embedding, Linear, RMSNorm, SwiGLU, rope_tables
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+        self.attn = MLA(cfg, layer) if cfg.is_mla else Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
+
+    def forward(self, x: Float[Tensor, "B T D"], ctx: ForwardContext) -> Float[Tensor, "B T D"]:
+        # BEGIN SOLUTION transformer_lm
+        x = x + self.attn(self.attn_norm(x), ctx)
+        return x + self.mlp(self.mlp_norm(x))
+        # END SOLUTION
+
+
+class TransformerLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = cfg = config
+        self.embed = Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size)
+        rope_dim = cfg.qk_rope_head_dim if cfg.is_mla else cfg.head_dim
+        cos, sin = rope_tables(rope_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def vocab_weight(self) -> Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: Int[Tensor, "B T"],
+        cache: KVCache | None = None,
+        pad: Int[Tensor, " B"] | None = None,
+        last_only: bool = False,
+    ) -> Float[Tensor, "B T V"]:
+        """Logits for every position (only the last one when last_only).
+
+        pad[b] = number of left-padding tokens in row b (batched prompts of unequal length);
+        with a cache, the cache's own pad is used.
+        """
+        B, T = input_ids.shape
+        start = 0 if cache is None else cache.pos
+        if cache is not None:
+            pad = cache.pad
+            if start + T > cache.capacity:
+                raise ValueError(f"KV cache full: {start} + {T} tokens > capacity {cache.capacity}")
+        if start + T > self.config.max_seq_len:
+            raise ValueError(
+                f"{start + T} tokens exceed the context window of {self.config.max_seq_len} (max_seq_len)"
+            )
+        q_steps = torch.arange(start, start + T, device=input_ids.device)
+        positions = q_steps[None] if pad is None else (q_steps[None] - pad[:, None]).clamp(min=0)
+        ctx = ForwardContext(
+            q_steps, start, self.rope_cos[positions], self.rope_sin[positions], pad=pad, cache=cache
+        )
+        x = self.embed(input_ids)
+        for block in self.layers:
+            x = block(x, ctx)
+        if last_only:
+            x = x[:, -1:]
+        if cache is not None:
+            cache.pos = start + T
+        # BEGIN SOLUTION transformer_lm
+        return F.linear(self.norm(x), self.vocab_weight)
+        # END SOLUTION
+
+    def new_cache(
+        self,
+        batch_size: int,
+        max_seq_len: int | None = None,
+        pad: Int[Tensor, " B"] | None = None,
+        dtype: torch.dtype | None = None,
+        spare: int = 0,
+    ) -> KVCache:
+        """An empty cache for `batch_size` sequences of up to `max_seq_len` steps (padding included).
+
+        Full-attention layers get a static [B, K, S, H] cache, sliding-window layers a ring of
+        W (+ spare) slots, MLA layers the latent cache, CLA borrowing layers nothing.
+        """
+        cfg = self.config
+        S = cfg.max_seq_len if max_seq_len is None else max_seq_len
+        if not 0 < S <= cfg.max_seq_len:
+            raise ValueError(f"cache length {S} must be in 1..max_seq_len={cfg.max_seq_len}")
+        dtype = dtype or self.embed.weight.dtype
+        device = self.embed.weight.device
+        B, K, H = batch_size, cfg.n_kv_heads, cfg.head_dim
+        layers: list = []
+        for i in range(cfg.n_layers):
+            window = cfg.layer_window(i)
+            if cfg.kv_owner(i) != i:
+                layers.append(None)
+            elif cfg.is_mla:
+                layers.append(MLACache(B, S, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, device))
+            elif window is not None and window + spare < S:
+                layers.append(RingKVCache(B, K, window, H, H, dtype, device, spare=spare))
+            else:
+                layers.append(StaticKVCache(B, K, S, H, H, dtype, device))
+        if pad is not None:
+            pad = torch.as_tensor(pad, dtype=torch.long, device=device)
+            if pad.shape != (B,):
+                raise ValueError(f"pad must have shape ({B},), got {tuple(pad.shape)}")
+        return KVCache(layers, S, pad)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
