@@ -1,11 +1,11 @@
 """Attention and the variants that shrink the KV cache: MHA / GQA / MQA, sliding window, CLA, MLA.
 
-    MHA   K = N: every query head has its own key/value head.
-    GQA   N/K query heads share each K/V head: the cache shrinks by N/K.
-    MQA   K = 1: one K/V head for all query heads.
-    sliding window W: a query sees only the last W keys, so a ring of W slots suffices.
-    CLA   groups of kv_share layers reuse the first layer's K/V: the cache shrinks by kv_share.
-    MLA   keys and values are up-projected from a small latent c_kv that is all the cache holds.
+MHA   K = N: every query head has its own key/value head.
+GQA   N/K query heads share each K/V head: the cache shrinks by N/K.
+MQA   K = 1: one K/V head for all query heads.
+sliding window W: a query sees only the last W keys, so a ring of W slots suffices.
+CLA   groups of kv_share layers reuse the first layer's K/V: the cache shrinks by kv_share.
+MLA   keys and values are up-projected from a small latent c_kv that is all the cache holds.
 """
 
 from __future__ import annotations
@@ -194,7 +194,11 @@ class MLA(nn.Module):
             steps = ctx.q_steps
         mask = ctx.mask(steps, None, store)
         absorb = (T == 1) if self.absorb is None else self.absorb
-        out = self.absorbed(q_nope, q_pe, c_kv, k_pe, mask) if absorb else self.naive(q_nope, q_pe, c_kv, k_pe, mask)
+        out = (
+            self.absorbed(q_nope, q_pe, c_kv, k_pe, mask)
+            if absorb
+            else self.naive(q_nope, q_pe, c_kv, k_pe, mask)
+        )
         return self.o_proj(rearrange(out, "b n t v -> b t (n v)"))
 
     def _w_uk_uv(self) -> tuple[Float[Tensor, "N nope r"], Float[Tensor, "N v r"]]:

@@ -107,7 +107,9 @@ class ModelConfig:
         if self.kv_share > 1 and self.layer_types is not None:
             for i in range(self.n_layers):
                 if self.layer_types[i] != self.layer_types[self.kv_owner(i)]:
-                    raise ConfigError(f"layer {i} shares K/V with layer {self.kv_owner(i)} of another layer type")
+                    raise ConfigError(
+                        f"layer {i} shares K/V with layer {self.kv_owner(i)} of another layer type"
+                    )
         if self.is_mla:
             for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
                 if getattr(self, name) <= 0:
@@ -275,7 +277,9 @@ class ModelConfig:
         if self.model_type == "mistral":
             hf["sliding_window"] = self.sliding_window
         if self.model_type == "qwen2" and self.layer_types is not None:
-            hf.update(use_sliding_window=True, sliding_window=self.sliding_window, layer_types=self.layer_types)
+            hf.update(
+                use_sliding_window=True, sliding_window=self.sliding_window, layer_types=self.layer_types
+            )
         if self.model_type == "deepseek_v3":
             hf.update(
                 kv_lora_rank=self.kv_lora_rank,

@@ -50,7 +50,9 @@ CASES: dict[str, tuple[str, dict]] = {
     ),
     "deepseek_v3_mla": (
         "deepseek_v3",
-        dict(num_key_value_heads=4, q_lora_rank=None, first_k_dense_replace=2, n_routed_experts=4, **MLA_DIMS),
+        dict(
+            num_key_value_heads=4, q_lora_rank=None, first_k_dense_replace=2, n_routed_experts=4, **MLA_DIMS
+        ),
     ),
     "deepseek_v3_mla_qlora": (
         "deepseek_v3",
