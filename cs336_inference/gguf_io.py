@@ -1,0 +1,332 @@
+"""Reading GGUF files: llama.cpp's single-file format for (quantized) weights, config and tokenizer.
+
+A GGUF file holds three things:
+  - metadata: key/value pairs such as `llama.block_count` (the config) and `tokenizer.ggml.tokens`;
+  - tensor infos: name, shape and element type of every tensor (e.g. `blk.0.attn_q.weight`, Q4_1);
+  - tensor data: the raw bytes, aligned.
+
+We parse the container and turn the raw bytes into floats ourselves (the tests check both against
+the `gguf` package, llama.cpp's own Python implementation). The block formats below are what "4-bit" and "8-bit" weights mean in practice. Each block of 32 weights
+stores one or two fp16 numbers (a scale d, and for Q4_1 a minimum m) plus 32 small integers q:
+
+    Q8_0   2 + 32 bytes   x = d * q,          q int8
+    Q4_0   2 + 16 bytes   x = d * (q - 8),    q in 0..15, two per byte
+    Q4_1   4 + 16 bytes   x = d * q + m,      q in 0..15, two per byte
+
+In Q4_0 / Q4_1 byte j of a block holds weight j in its low nibble and weight j + 16 in its high one.
+So Q4_1 costs 20 bytes per 32 weights (5 bits per weight) instead of 128 bytes in float32.
+
+llama.cpp's converter also reorders the rows of the query and key projections: its rotary
+embedding rotates adjacent pairs (2j, 2j + 1), while Hugging Face checkpoints (and our model) rotate
+pairs (j, j + H/2) ("rotate half"). `unpermute_qk` undoes that reorder.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from einops import rearrange
+from gguf import GGMLQuantizationType
+from jaxtyping import Float
+from torch import Tensor
+
+from cs336_inference.checkpoint import CheckpointError
+from cs336_inference.config import ConfigError, ModelConfig
+
+QK = 32  # weights per block in the Q8_0 / Q4_0 / Q4_1 formats
+
+# element type -> (weights per block, bytes per block)
+BLOCK_FORMATS: dict[GGMLQuantizationType, tuple[int, int]] = {
+    GGMLQuantizationType.F32: (1, 4),
+    GGMLQuantizationType.F16: (1, 2),
+    GGMLQuantizationType.BF16: (1, 2),
+    GGMLQuantizationType.Q8_0: (QK, 2 + QK),
+    GGMLQuantizationType.Q4_0: (QK, 2 + QK // 2),
+    GGMLQuantizationType.Q4_1: (QK, 2 + 2 + QK // 2),
+}
+
+
+# ------------------------------------------------------------------ dequantization
+def _fp16(raw: np.ndarray) -> np.ndarray:
+    """Reinterpret pairs of bytes [..., 2] as little-endian fp16 and widen to float32 [..., 1]."""
+    return np.ascontiguousarray(raw).view("<f2").astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[n, 16] bytes -> [n, 32] integers 0..15: low nibbles are weights 0..15, high nibbles 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+
+
+def dequantize_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Raw blocks [n, bytes per block] (uint8) -> float32 weights [n, weights per block]."""
+    if qtype == GGMLQuantizationType.F32:
+        return np.ascontiguousarray(blocks).view("<f4").astype(np.float32)
+    if qtype == GGMLQuantizationType.F16:
+        return _fp16(blocks)
+    if qtype == GGMLQuantizationType.BF16:
+        # bfloat16 is the top half of a float32: shift the 16 bits up.
+        bits = np.ascontiguousarray(blocks).view("<u2").astype(np.uint32) << 16
+        return bits.view(np.float32)
+    if qtype == GGMLQuantizationType.Q8_0:
+        d, qs = blocks[:, :2], blocks[:, 2:]
+        return _fp16(d) * qs.view(np.int8).astype(np.float32)
+    if qtype == GGMLQuantizationType.Q4_0:
+        d, qs = blocks[:, :2], blocks[:, 2:]
+        return _fp16(d) * (_nibbles(qs) - 8.0)
+    if qtype == GGMLQuantizationType.Q4_1:
+        d, m, qs = blocks[:, :2], blocks[:, 2:4], blocks[:, 4:]
+        return _fp16(d) * _nibbles(qs) + _fp16(m)
+    raise CheckpointError(f"GGUF tensor type {qtype.name} is not supported ({supported_types()})")
+
+
+def supported_types() -> str:
+    return "supported: " + ", ".join(t.name for t in BLOCK_FORMATS)
+
+
+def dequantize(data: np.ndarray, qtype: GGMLQuantizationType | int) -> np.ndarray:
+    """Raw tensor data, one row of the matrix (in bytes or numbers) per row, -> float32.
+
+    The last axis holds one row of the weight matrix in its stored form; the result has the same
+    leading axes and (bytes per row / bytes per block * weights per block) columns.
+    """
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in BLOCK_FORMATS:
+        raise CheckpointError(f"GGUF tensor type {qtype.name} is not supported ({supported_types()})")
+    per_block, block_bytes = BLOCK_FORMATS[qtype]
+    raw = np.ascontiguousarray(data).view(np.uint8)
+    *lead, row_bytes = raw.shape
+    if row_bytes % block_bytes:
+        raise CheckpointError(f"{qtype.name} row of {row_bytes} bytes is not a whole number of blocks")
+    blocks = raw.reshape(-1, block_bytes)
+    values = dequantize_blocks(blocks, qtype)
+    return values.reshape(*lead, row_bytes // block_bytes * per_block)
+
+
+# ------------------------------------------------------------------ rotary row order
+def unpermute_qk(w: Float[Tensor, "out D"], n_heads: int) -> Float[Tensor, "out D"]:
+    """Undo llama.cpp's row reorder of a query/key projection (n_heads = K for the key projection).
+
+    Within each head of H rows, llama.cpp stores row 2j + e where Hugging Face has row j + e * H/2
+    (e in {0, 1}), so that its rotary embedding can rotate adjacent pairs. We put the rows back.
+    """
+    return rearrange(w, "(n j e) d -> (n e j) d", n=n_heads, e=2)
+
+
+# ------------------------------------------------------------------ container
+# Metadata value types of the GGUF format: type number -> struct format code.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+DEFAULT_ALIGNMENT = 32
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy order (outermost first): [out, in] for a weight matrix
+    qtype: GGMLQuantizationType
+    offset: int  # byte offset of the data in the file
+    nbytes: int
+
+
+@dataclass
+class GGUFFile:
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+    data: np.ndarray  # the whole file, memory-mapped as uint8
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored bytes of one tensor, one row of the matrix per row: [rows, bytes per row]."""
+        t = self.tensors[name]
+        return self.data[t.offset : t.offset + t.nbytes].reshape(*t.shape[:-1], -1)
+
+
+class _Cursor:
+    """Reads little-endian values from a bytes buffer, failing with 'truncated' past its end."""
+
+    def __init__(self, buf: memoryview, path: Path):
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise CheckpointError(f"truncated GGUF file {self.path}: header ends at byte {len(self.buf)}")
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def scalar(self, code: str) -> Any:
+        return struct.unpack("<" + code, self.take(struct.calcsize(code)))[0]
+
+    def string(self) -> str:
+        return bytes(self.take(self.scalar("Q"))).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, count = self.scalar("I"), self.scalar("Q")
+            if etype in _SCALARS and etype != 7:  # numbers: one numpy read instead of a Python loop
+                code = np.dtype("<" + _SCALARS[etype])
+                return np.frombuffer(self.take(count * code.itemsize), dtype=code).tolist()
+            return [self.value(etype) for _ in range(count)]
+        raise CheckpointError(f"corrupt GGUF file {self.path}: unknown metadata value type {vtype}")
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Parse a GGUF file: header, metadata, tensor infos; tensor data stays memory-mapped.
+
+    Layout: b"GGUF", version (u32), tensor count (u64), metadata count (u64), the metadata
+    (key string, type u32, value), then per tensor: name, n_dims (u32), dims (u64, innermost
+    first), type (u32), offset (u64) into the data section, which starts at the next multiple of
+    general.alignment. Strings are a u64 length followed by UTF-8 bytes.
+    """
+    path = Path(path)
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"GGUF file {path} is empty")
+    try:
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as e:  # ValueError: an empty file cannot be mapped
+        raise CheckpointError(f"cannot read GGUF file {path}: {e}") from None
+    cur = _Cursor(memoryview(data), path)
+    if bytes(cur.take(4)) != b"GGUF":
+        raise CheckpointError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
+    version = cur.scalar("I")
+    if version not in (2, 3):
+        raise CheckpointError(f"GGUF version {version} of {path} is not supported (only 2 and 3)")
+    n_tensors, n_kv = cur.scalar("Q"), cur.scalar("Q")
+    metadata = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.scalar("I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        dims = [cur.scalar("Q") for _ in range(cur.scalar("I"))]
+        qtype_id, offset = cur.scalar("I"), cur.scalar("Q")
+        infos.append((name, dims, qtype_id, offset))
+    align = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    start = -(-cur.pos // align) * align
+    tensors: dict[str, TensorInfo] = {}
+    for name, dims, qtype_id, offset in infos:
+        try:
+            qtype = GGMLQuantizationType(qtype_id)
+        except ValueError:
+            raise CheckpointError(
+                f"corrupt GGUF file {path}: tensor {name} has unknown type {qtype_id}"
+            ) from None
+        if qtype not in BLOCK_FORMATS:
+            raise CheckpointError(
+                f"GGUF tensor {name} has type {qtype.name}, which is not supported ({supported_types()})"
+            )
+        per_block, block_bytes = BLOCK_FORMATS[qtype]
+        if dims[0] % per_block:
+            raise CheckpointError(
+                f"corrupt GGUF file {path}: tensor {name} rows are not whole {qtype.name} blocks"
+            )
+        nbytes = int(np.prod(dims)) // per_block * block_bytes
+        if start + offset + nbytes > len(data):
+            raise CheckpointError(
+                f"truncated GGUF file {path}: tensor {name} ends at byte {start + offset + nbytes}, "
+                f"the file has {len(data)}"
+            )
+        if name in tensors:
+            raise CheckpointError(f"corrupt GGUF file {path}: tensor {name} is listed twice")
+        tensors[name] = TensorInfo(name, tuple(reversed(dims)), qtype, start + offset, nbytes)
+    return GGUFFile(path, metadata, tensors, data)
+
+
+# ------------------------------------------------------------------ config and names
+def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    """A ModelConfig from the `llama.*` metadata; tied embeddings when there is no output.weight."""
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+
+    def get(key: str, default: Any = KeyError) -> Any:
+        if f"llama.{key}" in meta:
+            return meta[f"llama.{key}"]
+        if default is KeyError:
+            raise CheckpointError(f"GGUF metadata lacks the key 'llama.{key}'")
+        return default
+
+    scaling = get("rope.scaling.type", "none")
+    if scaling not in ("none", None) and get("rope.scaling.factor", 1.0) != 1.0:
+        raise ConfigError(f"GGUF rope scaling {scaling!r} is not supported (only plain RoPE)")
+    if "rope_freqs.weight" in tensor_names:
+        raise ConfigError("GGUF has rope_freqs.weight (Llama-3.1 rope scaling), which is not supported")
+    n_heads = get("attention.head_count")
+    d_model = get("embedding_length")
+    head_dim = get("attention.key_length", d_model // n_heads if n_heads else None)
+    rotary = get("rope.dimension_count", head_dim)
+    if rotary != head_dim:
+        raise ConfigError(
+            f"GGUF rotates {rotary} of {head_dim} head dimensions; only full rotary is supported"
+        )
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = get("vocab_size", len(tokens) if tokens is not None else KeyError)
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=vocab,
+        d_model=d_model,
+        n_layers=get("block_count"),
+        n_heads=n_heads,
+        n_kv_heads=get("attention.head_count_kv", n_heads),
+        head_dim=head_dim,
+        d_ff=get("feed_forward_length"),
+        max_seq_len=get("context_length", 2048),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in tensor_names,
+        model_type="llama",
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=eos,
+    )
+
+
+# our name -> GGUF name (llama architecture)
+_TOP_LEVEL = {
+    "embed.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_BLOCK = {
+    "attn_norm": "attn_norm",
+    "attn.q_proj": "attn_q",
+    "attn.k_proj": "attn_k",
+    "attn.v_proj": "attn_v",
+    "attn.o_proj": "attn_output",
+    "mlp_norm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def ours_to_gguf(name: str) -> str:
+    """`layers.3.attn.q_proj.weight` -> `blk.3.attn_q.weight` (names with no GGUF twin stay as they are)."""
+    if name in _TOP_LEVEL:
+        return _TOP_LEVEL[name]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    if m and m.group(2) in _BLOCK:
+        return f"blk.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+    return name
+
+
+def read_tensors(gguf: GGUFFile, cfg: ModelConfig) -> dict[str, Tensor]:
+    """Every tensor of the file as float32, by GGUF name, with Q/K rows back in rotate-half order."""
+    out: dict[str, Tensor] = {}
+    for name, t in gguf.tensors.items():
+        w = torch.from_numpy(dequantize(gguf.raw(name), t.qtype).reshape(t.shape))
+        heads = {"attn_q.weight": cfg.n_heads, "attn_k.weight": cfg.n_kv_heads}.get(name.split(".", 2)[-1])
+        if heads is not None and w.shape[0] == heads * cfg.head_dim:  # a misshaped one is reported later
+            w = unpermute_qk(w, heads)
+        out[name] = w
+    return out

@@ -1,0 +1,202 @@
+"""Tokenizers from folders and GGUF files, against the tokenizer they were made from and against Hugging
+Face transformers reading the same files; chat templates rendered like transformers renders them."""
+
+import json
+
+import pytest
+from gguf import GGUFWriter
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from cs336_inference.checkpoint import CheckpointError, default_model_path
+from cs336_inference.tokenizer import CHATML_TEMPLATE, load_tokenizer
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = (  # a template with a default system turn, like SmolLM2's
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "12345 678 and 3.14159",
+    "def square(x):\n    return x ** 2  # comment\n",
+    "Grüße aus Köln 🙂 日本語 🎉",
+    "   leading spaces and trailing   ",
+    "it's they'll we'd I'm",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "def square(x):\n    return x ** 2\n" * 2,
+    "Numbers like 12345, 678 and 3.14159 appear in text; it's they'll we'd I'm.",
+    "Grüße aus Köln 🙂 日本語 🎉 hello world",
+]
+
+
+def trained_tokenizer(pre: str) -> Tokenizer:
+    """A small byte-level BPE trained here: the independent reference for the GGUF path."""
+    tok = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":  # SmolLM2's tokenizer.json: every digit its own word, then GPT-2's split
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def write_tokenizer_gguf(tok: Tokenizer, path, pre: str) -> None:
+    """The tokenizer as llama.cpp's converter stores it: tokens by id, merges as 'a b', token types."""
+    model = json.loads(tok.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    w = GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])  # 3: control
+    w.add_bos_token_id(tok.token_to_id("<|im_start|>"))
+    w.add_eos_token_id(tok.token_to_id("<|im_end|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(TEMPLATE)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "smollm"])
+def test_gguf_tokenizer_matches_the_tokenizer_it_came_from(tmp_path, pre):
+    ref = trained_tokenizer(pre)
+    write_tokenizer_gguf(ref, tmp_path / "tok.gguf", pre)
+    tok = load_tokenizer(tmp_path / "tok.gguf")
+    for text in TEXTS:
+        assert tok.encode(text) == ref.encode(text).ids, text
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.bos_token_id == ref.token_to_id("<|im_start|>")
+    assert tok.eos_token_ids == [ref.token_to_id("<|im_end|>")]
+    assert tok.encode("<|im_end|>") == [ref.token_to_id("<|im_end|>")]  # specials stay whole
+    digits = tok.encode("12345", add_special_tokens=False)
+    assert (len(digits) == 5) == (pre == "smollm")  # the "smollm" split really is in effect
+
+
+def test_gguf_bos_is_added_when_the_file_says_so(tmp_path):
+    ref = trained_tokenizer("gpt2")
+    write_tokenizer_gguf(ref, tmp_path / "tok.gguf", "gpt2")
+    path = tmp_path / "tok.gguf"
+    data = path.read_bytes()
+    key = b"tokenizer.ggml.add_bos_token"
+    at = data.index(key) + len(key) + 4  # the bool value follows the key and its u32 type
+    path.write_bytes(data[:at] + b"\x01" + data[at + 1 :])
+    tok = load_tokenizer(path)
+    bos = ref.token_to_id("<|im_start|>")
+    assert tok.encode("hi") == [bos, *ref.encode("hi").ids]
+    assert tok.encode("hi", add_special_tokens=False) == ref.encode("hi").ids
+
+
+def save_folder(tok: Tokenizer, folder, template: str | None) -> None:
+    folder.mkdir(exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    if template is not None:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+MESSAGES = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+    ],
+]
+
+
+def test_folder_tokenizer_and_template_match_transformers(tmp_path):
+    ref = trained_tokenizer("gpt2")
+    save_folder(ref, tmp_path, TEMPLATE)
+    tok = load_tokenizer(tmp_path)
+    for text in TEXTS:
+        assert tok.encode(text) == ref.encode(text).ids
+    assert tok.eos_token_ids == [ref.token_to_id("<|im_end|>")]
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for messages in MESSAGES:
+        for gen in (True, False):
+            expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            assert tok.apply_chat_template(messages, add_generation_prompt=gen) == expected
+
+
+def test_chatml_fallback_only_without_a_template(tmp_path):
+    save_folder(trained_tokenizer("gpt2"), tmp_path, None)
+    tok = load_tokenizer(tmp_path)
+    assert tok.chat_template is None
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    )
+    assert (
+        text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n<|im_start|>assistant\n"
+    )
+    save_folder(trained_tokenizer("gpt2"), tmp_path, TEMPLATE)
+    assert load_tokenizer(tmp_path).chat_template == TEMPLATE != CHATML_TEMPLATE
+
+
+def test_bad_tokenizer_sources(tmp_path):
+    with pytest.raises(CheckpointError, match="has no tokenizer.json"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(CheckpointError, match="no such file or folder"):
+        load_tokenizer(tmp_path / "missing.gguf")
+    w = GGUFWriter(str(tmp_path / "empty.gguf"), "llama")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="has no tokenizer"):
+        load_tokenizer(tmp_path / "empty.gguf")
+
+
+# ------------------------------------------------------------------ SmolLM2's GGUF vs transformers
+@pytest.fixture(scope="module")
+def smollm2_tokenizers():
+    try:
+        path = default_model_path()
+    except CheckpointError as e:
+        pytest.skip(str(e))
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return load_tokenizer(path), ref
+
+
+def test_smollm2_tokenizer_matches_transformers(smollm2_tokenizers):
+    tok, ref = smollm2_tokenizers
+    chat = tok.apply_chat_template(MESSAGES[0])
+    for text in [*TEXTS, chat]:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text), text
+        assert tok.decode(ids) == text
+    assert tok.encode(chat)[:1] == [tok.bos_token_id] == [ref.bos_token_id]  # chat text starts <|im_start|>
+    assert tok.eos_token_ids == [ref.eos_token_id]
+    assert tok.vocab_size == len(ref) == 49152
+
+
+def test_smollm2_chat_template_matches_transformers(smollm2_tokenizers):
+    tok, ref = smollm2_tokenizers
+    assert "You are a helpful AI assistant named SmolLM" in tok.apply_chat_template(MESSAGES[0])
+    for messages in MESSAGES:
+        for gen in (True, False):
+            expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            assert tok.apply_chat_template(messages, add_generation_prompt=gen) == expected
