@@ -75,6 +75,12 @@ def test_mla_cache_holds_only_latent_and_rope_key():
     assert all(isinstance(s, MLACache) for s in cache.layers)
     per_token_per_layer = MLA_DIMS["kv_lora_rank"] + MLA_DIMS["qk_rope_head_dim"]
     assert cache.nbytes == TINY["n_layers"] * 3 * 20 * per_token_per_layer * 4
+    latents = []  # what the cache must hold: the normalized latent c_kv of every token
+    model.layers[1].attn.kv_a_norm.register_forward_hook(lambda mod, inp, out: latents.append(out))
+    with torch.no_grad():
+        model(torch.randint(0, 97, (3, 7)), cache=cache)
+    torch.testing.assert_close(cache.layers[1].c_kv[:, :7], latents[0])
+    assert cache.layers[1].c_kv[:, 7:].abs().max() == 0
 
 
 def test_cache_kinds_per_layer():
