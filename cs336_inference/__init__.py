@@ -1,7 +1,21 @@
 """cs336-inference: how transformer language models are served, from scratch."""
 
+from .checkpoint import load_pretrained, save_pretrained
 from .config import ConfigError, ModelConfig
 from .kv_cache import KVCache
 from .model import TransformerLM
+from .sampling import generate, naive_generate, stream_generate
+from .tokenizer import load_tokenizer
 
-__all__ = ["ConfigError", "KVCache", "ModelConfig", "TransformerLM"]
+__all__ = [
+    "ConfigError",
+    "KVCache",
+    "ModelConfig",
+    "TransformerLM",
+    "generate",
+    "load_pretrained",
+    "load_tokenizer",
+    "naive_generate",
+    "save_pretrained",
+    "stream_generate",
+]

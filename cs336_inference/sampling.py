@@ -1,0 +1,333 @@
+"""Sampling: from logits to tokens, and the two generation loops of the lecture.
+
+Turning one row of logits into a token (applied in this order, as in most libraries):
+
+    temperature T    logits / T: T < 1 sharpens the distribution, T > 1 flattens it, T = 0 is greedy
+    top-k            keep only the k most likely tokens
+    top-p (nucleus)  keep the smallest set of most likely tokens whose probability mass reaches p
+    sample           draw from softmax of what is left (a seeded torch.Generator makes it reproducible)
+
+Generating T new tokens after a prompt of P tokens:
+
+    naive_generate   every step runs the whole context (prompt + tokens so far) through the model
+                     again: step t processes P + t tokens, so the total work grows like T^2 tokens
+                     (T^3 FLOPs for attention when P is small) although only one new token is needed.
+    generate         prefill: the prompt goes through the model once, in parallel (compute-bound),
+                     and writes every layer's keys and values into a KV cache; decode: each step feeds
+                     only the newest token and reads the cached K/V (memory-bound: the weights and the
+                     cache are read once per step for very few FLOPs).
+
+Prompts: a 1-D LongTensor or a list of ints is one prompt and gives a 1-D tensor of new tokens.
+A list of prompts (lists or 1-D tensors, any lengths) or a 2-D LongTensor is a batch and gives a list
+of 1-D tensors. A batch is left-padded to a common length and the model is told the padding (`pad`),
+so every row gets the positions and masks it would get alone; greedy results equal unbatched ones.
+
+Stopping: generation of a row ends after max_new_tokens or after it produces a stop token (by default
+the model config's EOS ids). The stop token is kept as the last element of that row's result, so a
+caller can tell "stopped" from "ran out of tokens".
+
+Context window: prompt length (padded, for a batch) + max_new_tokens must fit in config.max_seq_len;
+generate raises ValueError otherwise rather than silently generating fewer tokens (the CLI clamps
+max_new_tokens to the window before calling it).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+Prompt = Tensor | Sequence[int] | Sequence[Sequence[int]] | Sequence[Tensor]
+StepFn = Callable[[Float[Tensor, "B V"]], Int[Tensor, " B"]]
+
+
+# ------------------------------------------------------------------ logits processing
+def apply_temperature(logits: Float[Tensor, "B V"], temperature: float) -> Float[Tensor, "B V"]:
+    """Divide the logits by T > 0: softmax(logits / T) is the distribution we sample from."""
+    # BEGIN SOLUTION sampling
+    return logits / temperature
+    # END SOLUTION
+
+
+def top_k_filter(logits: Float[Tensor, "B V"], k: int) -> Float[Tensor, "B V"]:
+    """Keep the k largest logits of each row, set the others to -inf (k >= V keeps everything)."""
+    # BEGIN SOLUTION sampling
+    if k >= logits.shape[-1]:
+        return logits
+    top = logits.topk(k, dim=-1)
+    return torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)
+    # END SOLUTION
+
+
+def top_p_filter(logits: Float[Tensor, "B V"], p: float) -> Float[Tensor, "B V"]:
+    """Nucleus filter: keep the smallest set of most likely tokens whose probability mass reaches p.
+
+    A token is kept iff the mass of the tokens ranked strictly above it is still below p, so the
+    most likely token is always kept and the token that makes the mass reach p is kept too.
+    """
+    # BEGIN SOLUTION sampling
+    probs = logits.float().softmax(dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop_sorted = mass_above >= p
+    drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+    # END SOLUTION
+
+
+def sample_next_token(
+    logits: Float[Tensor, "B V"],
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Int[Tensor, " B"]:
+    """One token per row: greedy (argmax) when temperature == 0, else temperature, top-k, top-p, sample."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    # BEGIN SOLUTION sampling
+    logits = apply_temperature(logits.float(), temperature)
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None and top_p < 1.0:
+        logits = top_p_filter(logits, top_p)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    # END SOLUTION
+
+
+def check_sampling_args(
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    max_new_tokens: int | None = None,
+) -> None:
+    """Raise ValueError (one line) for a parameter outside its range."""
+    if not temperature >= 0.0:  # also catches NaN
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an integer >= 1, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if max_new_tokens is not None and (
+        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
+    ):
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
+
+
+# ------------------------------------------------------------------ prompts and padding
+def as_prompt_list(prompt_ids: Prompt) -> tuple[list[Tensor], bool]:
+    """The prompts as a list of 1-D LongTensors, and whether the input was a single prompt."""
+    if isinstance(prompt_ids, Tensor):
+        if prompt_ids.dim() == 1:
+            return [prompt_ids.long()], True
+        if prompt_ids.dim() == 2:
+            return [row.long() for row in prompt_ids], False
+        raise ValueError(
+            f"prompt_ids must be 1-D (one prompt) or 2-D (a batch), got shape {tuple(prompt_ids.shape)}"
+        )
+    prompts = list(prompt_ids)
+    if not prompts:
+        raise ValueError("prompt_ids is empty")
+    if all(isinstance(t, numbers.Integral) for t in prompts):
+        return [torch.tensor(prompts, dtype=torch.long)], True
+    out = []
+    for p in prompts:
+        t = p.long() if isinstance(p, Tensor) else torch.tensor(list(p), dtype=torch.long)
+        if t.dim() != 1:
+            raise ValueError(f"each prompt of a batch must be 1-D, got shape {tuple(t.shape)}")
+        out.append(t)
+    return out, False
+
+
+def left_pad(prompts: list[Tensor], pad_id: int = 0) -> tuple[Int[Tensor, "B P"], Int[Tensor, " B"]]:
+    """Stack prompts of different lengths right-aligned: [pad .. pad, prompt]; pad[b] = padding count.
+
+    Right alignment puts every row's newest token in the last column, so one decode step serves all.
+    """
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    P = int(lengths.max())
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long, device=prompts[0].device)
+    for b, p in enumerate(prompts):
+        ids[b, P - len(p) :] = p
+    return ids, P - lengths
+
+
+# ------------------------------------------------------------------ the two decoding loops
+def naive_steps(
+    model, ids: Int[Tensor, "B P"], pad: Int[Tensor, " B"] | None, max_new_tokens: int, next_token: StepFn
+) -> Iterator[tuple[Int[Tensor, " B"], Float[Tensor, "B V"]]]:
+    """Naive generation: each step runs the full context through `model(ids, pad=pad)`.
+
+    Yields (new token per row, the logits it was sampled from) once per step.
+    """
+    # BEGIN SOLUTION naive_generate
+    B, P = ids.shape
+    context = ids.new_empty(B, P + max_new_tokens)  # allocated once, filled step by step
+    context[:, :P] = ids
+    for t in range(max_new_tokens):
+        logits = model(context[:, : P + t], pad=pad, last_only=True)[:, -1]
+        token = next_token(logits)
+        context[:, P + t] = token
+        yield token, logits
+    # END SOLUTION
+
+
+def cached_steps(
+    model, ids: Int[Tensor, "B P"], pad: Int[Tensor, " B"] | None, max_new_tokens: int, next_token: StepFn
+) -> Iterator[tuple[Int[Tensor, " B"], Float[Tensor, "B V"]]]:
+    """KV-cached generation: prefill the prompt in one pass, then feed one token per step.
+
+    The cache is allocated once for P + max_new_tokens steps (`model.new_cache(B, ..., pad=pad)`).
+    Yields (new token per row, the logits it was sampled from) once per step.
+    """
+    # BEGIN SOLUTION generate
+    B, P = ids.shape
+    cache = model.new_cache(B, P + max_new_tokens, pad=pad)
+    logits = model(ids, cache=cache, last_only=True)[:, -1]  # prefill
+    for t in range(max_new_tokens):
+        token = next_token(logits)
+        yield token, logits
+        if t + 1 < max_new_tokens:
+            logits = model(token[:, None], cache=cache, last_only=True)[:, -1]  # decode one token
+    # END SOLUTION
+
+
+def _prepare(
+    model, prompt_ids: Prompt, max_new_tokens: int, temperature: float, top_k, top_p
+) -> tuple[Int[Tensor, "B P"], Int[Tensor, " B"] | None, bool]:
+    """Validate arguments and prompts; return left-padded ids, pad (None if no row is padded), single."""
+    check_sampling_args(temperature, top_k, top_p, max_new_tokens)
+    prompts, single = as_prompt_list(prompt_ids)
+    cfg = model.config
+    for p in prompts:
+        if p.numel() == 0:
+            raise ValueError("every prompt needs at least one token")
+        if int(p.min()) < 0 or int(p.max()) >= cfg.vocab_size:
+            raise ValueError(
+                f"prompt token ids must be in [0, {cfg.vocab_size}), got {int(p.min())}..{int(p.max())}"
+            )
+    device = model.embed.weight.device
+    ids, pad = left_pad([p.to(device) for p in prompts])
+    P = ids.shape[1]
+    if P + max_new_tokens > cfg.max_seq_len:
+        raise ValueError(
+            f"prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context window "
+            f"of {cfg.max_seq_len} tokens"
+        )
+    pad = pad.to(device) if bool(pad.any()) else None
+    return ids, pad, single
+
+
+@torch.inference_mode()
+def generate_steps(
+    model,
+    prompt_ids: Prompt,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    use_cache: bool = True,
+) -> Iterator[tuple[Int[Tensor, " B"], Float[Tensor, "B V"]]]:
+    """The low-level loop: yields (tokens [B], logits [B, V]) for each of max_new_tokens steps.
+
+    No stopping here (rows keep going after a stop token); generate / stream_generate handle that.
+    For one prompt B = 1.
+    """
+    ids, pad, _ = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=ids.device).manual_seed(seed)
+
+    def next_token(logits: Float[Tensor, "B V"]) -> Int[Tensor, " B"]:
+        return sample_next_token(logits, temperature, top_k, top_p, generator)
+
+    steps = cached_steps if use_cache else naive_steps
+    yield from steps(model, ids, pad, max_new_tokens, next_token)
+
+
+def _stop_ids(model, stop_token_ids: Sequence[int] | None) -> list[int]:
+    return list(model.config.eos_token_ids) if stop_token_ids is None else list(stop_token_ids)
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    prompt_ids: Prompt,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    use_cache: bool = True,
+    stop_token_ids: Sequence[int] | None = None,
+    return_logits: bool = False,
+):
+    """Generate up to max_new_tokens new tokens per prompt (see the module docstring for shapes).
+
+    use_cache=False runs the naive loop. stop_token_ids=None stops at the config's EOS ids; pass []
+    to always generate max_new_tokens. With return_logits=True returns (tokens, logits) where each
+    row's logits are Float[n_new, V], the distribution each new token was sampled from (before
+    temperature and filtering).
+    """
+    prompts, single = as_prompt_list(prompt_ids)
+    stops = torch.tensor(_stop_ids(model, stop_token_ids), dtype=torch.long)
+    steps = generate_steps(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, use_cache)
+    B = len(prompts)
+    device = model.embed.weight.device
+    stops = stops.to(device)
+    tokens = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
+    all_logits = None
+    lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    for t, (token, logits) in enumerate(steps):
+        tokens[:, t] = token
+        if return_logits:
+            if all_logits is None:
+                all_logits = logits.new_empty(B, max_new_tokens, logits.shape[-1])
+            all_logits[:, t] = logits
+        if stops.numel():
+            hit = torch.isin(token, stops) & ~finished
+            lengths = torch.where(hit, t + 1, lengths)
+            finished |= hit
+            if bool(finished.all()):
+                break
+    out = [tokens[b, : int(lengths[b])] for b in range(B)]
+    out_logits = [all_logits[b, : int(lengths[b])] for b in range(B)] if return_logits else None
+    if single:
+        return (out[0], out_logits[0]) if return_logits else out[0]
+    return (out, out_logits) if return_logits else out
+
+
+def naive_generate(model, prompt_ids: Prompt, max_new_tokens: int = 64, **kwargs):
+    """generate(..., use_cache=False): the lecture's baseline that recomputes the whole context each step."""
+    return generate(model, prompt_ids, max_new_tokens, use_cache=False, **kwargs)
+
+
+def stream_generate(
+    model,
+    prompt_ids: Tensor | Sequence[int],
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    use_cache: bool = True,
+    stop_token_ids: Sequence[int] | None = None,
+) -> Iterator[int]:
+    """Yield the new token ids of one prompt as they are produced (a stop token is yielded, then it ends)."""
+    prompts, single = as_prompt_list(prompt_ids)
+    if not single:
+        raise ValueError("stream_generate takes one prompt (a 1-D tensor or a list of ints)")
+    stops = set(_stop_ids(model, stop_token_ids))
+    for token, _ in generate_steps(
+        model, prompts[0], max_new_tokens, temperature, top_k, top_p, seed, use_cache
+    ):
+        token_id = int(token[0])  # the one sync per step that streaming needs
+        yield token_id
+        if token_id in stops:
+            return

