@@ -31,6 +31,7 @@ STAFF_ONLY = (
     "scripts/make_handout.py",
     "scripts/make_reference_outputs.py",
     "tests/test_handout.py",
+    "tests/test_repo.py",  # ruff on stripped code and the staff CI script are not the students' concern
     "tests/hidden/",
     "assignments/staff/",
 )

@@ -44,7 +44,10 @@ def check_incremental(name: str, chunks: list[int]):
 
 @pytest.mark.parametrize(
     "name",
-    [pytest.param(n, marks=pytest.mark.graded(problem=PROBLEM.get(n, "kv_cache"), points=1)) for n in VARIANTS],
+    [
+        pytest.param(n, marks=pytest.mark.graded(problem=PROBLEM.get(n, "kv_cache"), points=1))
+        for n in VARIANTS
+    ],
 )
 def test_prefill_then_decode_equals_full_forward(name):
     check_incremental(name, [6] + [1] * 14)  # 20 tokens: longer than every window
