@@ -83,7 +83,7 @@ def read_prompt(args: argparse.Namespace) -> str:
     if text is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise UsageError("no prompt: give one as an argument, with --prompt, or on stdin")
-        text = sys.stdin.read()
+        text = sys.stdin.read().rstrip("\n")  # `echo ... |` ends the prompt with a newline
     if not text.strip():
         raise UsageError("the prompt is empty")
     return text

@@ -131,3 +131,7 @@ def test_capital_of_france_is_paris():
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert "prompt" in result.stderr and "TTFT" in result.stderr
+    # the same question piped in as `echo` sends it (with a trailing newline) gives the same answer
+    piped = run_cli("--max-new-tokens", "16", *FAST, stdin="What is the capital of France?\n")
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == result.stdout
