@@ -1,15 +1,12 @@
 """Shared pytest setup: CUDA skips and a check of the `graded` markers."""
 
-import os
-
 import pytest
+import torch
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Several workers on a few cores: one thread each. Two OpenMP threads per worker on two cores
-    # stall at every barrier when the other worker holds a core (seen here: 20x slower matmuls).
-    import torch
-
-    torch.set_num_threads(1)
+# One torch thread per test process. The tests run tiny models, which gain nothing from threads,
+# and with pytest -n 2 on two cores, two OpenMP threads per worker stall at every barrier while the
+# other worker holds a core (seen here: 20x slower matmuls).
+torch.set_num_threads(1)
 
 # The assignment's problems. A graded test must name one of these; solution blocks use the same names.
 PROBLEMS = (
@@ -54,10 +51,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         check_graded_marker(item)
     cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
-    if cuda_items:
-        import torch  # imported here so that collecting CPU-only tests stays cheap
-
-        if not torch.cuda.is_available():
-            skip = pytest.mark.skip(reason="needs a CUDA GPU")
-            for item in cuda_items:
-                item.add_marker(skip)
+    if cuda_items and not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in cuda_items:
+            item.add_marker(skip)

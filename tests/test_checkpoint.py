@@ -42,15 +42,6 @@ SAVED_AS_CS336 = ("llama_with_cla", "llama_with_window")
 HF_TYPES = ("llama", "qwen2", "mistral", "deepseek_v3")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy 2-core machine spinning threads cost 10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_model(name: str, seed: int = 0) -> TransformerLM:
     torch.manual_seed(seed)
     model = TransformerLM(ModelConfig(**{**TINY, **CONFIGS[name]})).eval()

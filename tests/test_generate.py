@@ -27,16 +27,6 @@ N_NEW = 24
 ATOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models are all per-op overhead; a second thread only adds synchronization (which, on a
-    busy 2-core machine, can make a 1 ms forward take 100 ms)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_model(variant: str, seed: int = 0) -> TransformerLM:
     torch.manual_seed(seed)
     model = TransformerLM(ModelConfig(**{**BASE, **VARIANTS[variant]}))

@@ -20,15 +20,6 @@ from cs336_inference.model import TransformerLM
 BLOCK_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy 2-core machine spinning threads cost 10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ------------------------------------------------------------------ dequantization
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16, *BLOCK_TYPES], ids=lambda q: q.name)
 def test_dequantize_quantized_weights_matches_gguf(qtype):
