@@ -1,0 +1,165 @@
+"""The pytest side of grading (registered by tests/conftest.py).
+
+- checks every `graded` marker reads graded(problem=<name>, points=<positive number>);
+- `--submission DIR`: each graded test of problem P runs with DIR's functions for P swapped into the
+  reference (cs336_grading.submission); without it the tests run whatever package is imported;
+- `--grade-report FILE`: writes one outcome per graded test case (the controller, under xdist too);
+- `--collect-graded FILE`: writes the collected graded cases (nodeid, problem, points), for the rubric;
+- `--trace-needs FILE`: records which problems' functions each graded test calls (for the rubric).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from . import rubric as rubric_mod
+from .submission import Submission, SubmissionError, reference_function
+
+MAX_OUTPUT = 4000  # characters of failure output kept per test (the end, where the error is)
+_RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 2}
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("cs336 grading")
+    group.addoption("--submission", default=None, help="grade this checkout's functions, problem by problem")
+    group.addoption("--grade-report", default=None, help="write graded test outcomes to this JSON file")
+    group.addoption("--collect-graded", default=None, help="write the collected graded cases to this JSON file")
+    group.addoption("--trace-needs", default=None, help="write the problems each graded test calls to this file")
+
+
+def graded_marker(item) -> tuple[str, float] | None:
+    """(problem, points) of a graded test; pytest.UsageError for a malformed marker."""
+    marker = item.get_closest_marker("graded")
+    if marker is None:
+        return None
+    where = item.nodeid
+    if marker.args or set(marker.kwargs) != {"problem", "points"}:
+        raise pytest.UsageError(f"{where}: write the marker as @pytest.mark.graded(problem=..., points=...)")
+    problem, points = marker.kwargs["problem"], marker.kwargs["points"]
+    if not isinstance(problem, str) or not problem.isidentifier():
+        raise pytest.UsageError(f"{where}: the problem must be a name, got {problem!r}")
+    if isinstance(points, bool) or not isinstance(points, int | float) or points <= 0:
+        raise pytest.UsageError(f"{where}: points must be a positive number, got {points!r}")
+    return problem, points
+
+
+class GradingPlugin:
+    def __init__(self, config):
+        self.config = config
+        submission = config.getoption("--submission")
+        self.submission = Submission(submission) if submission else None
+        self.trace_path = config.getoption("--trace-needs")
+        self._rubric = None
+        self.results: dict[str, dict] = {}
+        self.collection_errors: list[tuple[str, str]] = []
+        self.needs: dict[str, set[str]] = {}
+        self._active = {}
+        self._codes = None
+
+    @property
+    def rubric(self) -> dict:
+        if self._rubric is None:
+            self._rubric = rubric_mod.load(Path(self.config.rootpath))
+        return self._rubric
+
+    # ---------------------------------------------------------------- collection
+    def pytest_collection_modifyitems(self, config, items):
+        collected = []
+        for index, item in enumerate(items):
+            graded = graded_marker(item)
+            if graded is not None:
+                item.user_properties.append(("graded", [*graded, index]))
+                collected.append({"nodeid": item.nodeid, "problem": graded[0], "points": graded[1]})
+        path = config.getoption("--collect-graded")
+        if path and not hasattr(config, "workerinput"):
+            Path(path).write_text(json.dumps(collected))
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.collection_errors.append((report.nodeid, report.longreprtext[-MAX_OUTPUT:]))
+
+    # ---------------------------------------------------------------- running one graded test
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item):
+        graded = graded_marker(item)
+        if graded is None:
+            return
+        if self.trace_path:
+            self._start_trace(item.nodeid)
+        if self.submission is not None:
+            problem = graded[0]
+            entry = self.rubric["problems"].get(problem)
+            if entry is None:
+                pytest.fail(f"problem {problem!r} is not in the rubric", pytrace=False)
+            context = self.submission.use(entry["functions"])
+            try:
+                context.__enter__()
+            except SubmissionError as e:
+                pytest.fail(str(e), pytrace=False)
+            self._active[item.nodeid] = context
+
+    @pytest.hookimpl(hookwrapper=True, trylast=True)
+    def pytest_runtest_teardown(self, item):
+        yield
+        context = self._active.pop(item.nodeid, None)
+        if context is not None:
+            context.__exit__(None, None, None)
+        if self.trace_path:
+            sys.setprofile(None)
+
+    def _start_trace(self, nodeid: str) -> None:
+        if self._codes is None:  # code object -> problem, from the solution blocks (not the rubric)
+            self._codes = {}
+            for problem, specs in rubric_mod.solution_functions(Path(self.config.rootpath)).items():
+                for spec in specs:
+                    self._codes[reference_function(spec).__code__] = problem
+        codes = self._codes
+        called = self.needs.setdefault(nodeid, set())
+
+        def profile(frame, event, arg):
+            if event == "call":
+                problem = codes.get(frame.f_code)
+                if problem is not None:
+                    called.add(problem)
+
+        sys.setprofile(profile)
+
+    # ---------------------------------------------------------------- reporting (controller only)
+    def pytest_runtest_logreport(self, report):
+        graded = dict(report.user_properties).get("graded")
+        if graded is None:
+            return
+        problem, points, index = graded
+        new = {"nodeid": report.nodeid, "problem": problem, "points": points, "index": index}
+        result = self.results.setdefault(report.nodeid, {**new, "outcome": "passed", "output": ""})
+        if report.failed:
+            outcome, text = ("failed" if report.when == "call" else "error"), report.longreprtext
+        elif report.skipped and hasattr(report, "wasxfail"):
+            outcome, text = "failed", f"expected to fail (xfail): {report.wasxfail}"
+        elif report.skipped:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            outcome, text = "skipped", reason
+        else:
+            return
+        if _RANK[outcome] > _RANK[result["outcome"]]:
+            result["outcome"] = outcome
+        text = "\n".join(line for line in text.splitlines() if not line.startswith("[gw"))  # xdist's header
+        result["output"] = (result["output"] + "\n" + text).strip()[-MAX_OUTPUT:]
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        if hasattr(session.config, "workerinput"):
+            return
+        path = session.config.getoption("--grade-report")
+        if path is not None:
+            report = {"tests": list(self.results.values()), "collection_errors": self.collection_errors}
+            Path(path).write_text(json.dumps(report))
+        if self.trace_path:
+            Path(self.trace_path).write_text(json.dumps({k: sorted(v) for k, v in self.needs.items()}))
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(GradingPlugin(config), "cs336_grading")
