@@ -79,6 +79,7 @@ def run_graded(
     k: str | None = None,
     workers: int = 0,
     extra: list[str] | None = None,
+    problems: list[str] | None = None,
 ) -> GradeRun:
     """Grade `submission` (default: the checkout's own code, as it is) with repo's graded tests and rubric."""
     repo = Path(repo).resolve()
@@ -94,7 +95,21 @@ def run_graded(
         raise GradeError(str(e)) from e
     with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
         report = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "pytest", "tests", "-m", "graded", "-q", "--tb=short", "-p", "no:cacheprovider"]
+        chosen = [p for name, p in rubric["problems"].items() if problems is None or name in problems]
+        files = sorted({nodeid.split("::")[0] for p in chosen for nodeid in p["tests"]})
+        files = [f for f in files if (repo / f).is_file()] or ["tests"]  # the files that hold graded tests
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            *files,
+            "-m",
+            "graded",
+            "-q",
+            "--tb=short",
+            "-p",
+            "no:cacheprovider",
+        ]
         cmd += ["--grade-report", str(report), "--continue-on-collection-errors"]
         cmd += ["--submission", str(Path(submission).resolve())] if submission is not None else []
         cmd += ["-k", k] if k else []
@@ -120,12 +135,14 @@ def run_graded(
             if nodeid in ran:
                 t.outcome, t.output = ran[nodeid]["outcome"], ran[nodeid]["output"]
                 if ran[nodeid]["problem"] != name:
-                    raise GradeError(f"{nodeid} is marked {ran[nodeid]['problem']!r} but the rubric says {name!r}")
+                    raise GradeError(
+                        f"{nodeid} is marked {ran[nodeid]['problem']!r} but the rubric says {name!r}"
+                    )
             elif k is None:
                 t.output = "this graded test did not run (see the collection errors)"
             tests.append(t)
-    if k is not None:
-        tests = [t for t in tests if t.nodeid in ran]
+    if k is not None or problems is not None:
+        tests = [t for t in tests if t.nodeid in ran or (problems is not None and t.problem in problems)]
     return GradeRun(rubric, tests, [tuple(e) for e in data["collection_errors"]], seconds, output)
 
 
@@ -199,7 +216,9 @@ def write_rubric(repo: Path, trace: bool = True) -> dict:
         proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
         if proc.returncode not in (0, 5) or not collected.exists():
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
-            raise GradeError("the reference's graded tests must all pass to write the rubric:\n" + "\n".join(tail))
+            raise GradeError(
+                "the reference's graded tests must all pass to write the rubric:\n" + "\n".join(tail)
+            )
         graded = json.loads(collected.read_text())
         traced = json.loads(needs.read_text()) if trace else None
     rubric = rubric_mod.build(repo, graded, traced)

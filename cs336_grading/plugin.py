@@ -5,6 +5,7 @@
   reference (cs336_grading.submission); without it the tests run whatever package is imported;
 - `--grade-report FILE`: writes one outcome per graded test case (the controller, under xdist too);
 - `--collect-graded FILE`: writes the collected graded cases (nodeid, problem, points), for the rubric;
+- `--only-problems a,b`: runs only those problems' graded tests (the catalog's quick check);
 - `--trace-needs FILE`: records which problems' functions each graded test calls (for the rubric).
 """
 
@@ -27,8 +28,15 @@ def pytest_addoption(parser):
     group = parser.getgroup("cs336 grading")
     group.addoption("--submission", default=None, help="grade this checkout's functions, problem by problem")
     group.addoption("--grade-report", default=None, help="write graded test outcomes to this JSON file")
-    group.addoption("--collect-graded", default=None, help="write the collected graded cases to this JSON file")
-    group.addoption("--trace-needs", default=None, help="write the problems each graded test calls to this file")
+    group.addoption(
+        "--collect-graded", default=None, help="write the collected graded cases to this JSON file"
+    )
+    group.addoption(
+        "--only-problems", default=None, help="comma-separated problems: deselect the others' tests"
+    )
+    group.addoption(
+        "--trace-needs", default=None, help="write the problems each graded test calls to this file"
+    )
 
 
 def graded_marker(item) -> tuple[str, float] | None:
@@ -68,6 +76,12 @@ class GradingPlugin:
 
     # ---------------------------------------------------------------- collection
     def pytest_collection_modifyitems(self, config, items):
+        only = config.getoption("--only-problems")
+        if only:
+            keep = set(only.split(","))
+            chosen = [item for item in items if (graded_marker(item) or ("",))[0] in keep]
+            config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
+            items[:] = chosen
         collected = []
         for index, item in enumerate(items):
             graded = graded_marker(item)

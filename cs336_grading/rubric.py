@@ -102,7 +102,9 @@ def build(repo: Path, graded: list[dict], needs: dict[str, list[str]] | None = N
     """
     problems = handout_problems(repo)
     functions = solution_functions(repo)
-    errors = [f"solution blocks of {p!r}, which has no handout heading" for p in functions if p not in problems]
+    errors = [
+        f"solution blocks of {p!r}, which has no handout heading" for p in functions if p not in problems
+    ]
     cases: dict[tuple[str, str], list[dict]] = {}
     for case in graded:
         if case["problem"] not in problems:
@@ -125,7 +127,9 @@ def build(repo: Path, graded: list[dict], needs: dict[str, list[str]] | None = N
         if not tests[name]:
             errors.append(f"problem {name!r} has no graded test")
         elif total != Fraction(str(info["points"])):
-            errors.append(f"problem {name!r}: the handout says {info['points']} points, its tests carry {_number(total)}")
+            errors.append(
+                f"problem {name!r}: the handout says {info['points']} points, its tests carry {_number(total)}"
+            )
         entry = {**info, "functions": functions.get(name, [])}
         entry["tests"] = {nodeid: _number(share) for nodeid, share in tests[name].items()}
         if needs is not None:

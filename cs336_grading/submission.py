@@ -55,7 +55,7 @@ def _resolve(root, qualname: str):
     *path, name = qualname.split(".")
     owner = root
     for part in path:
-        owner = owner[part] if isinstance(owner, dict) else owner.__dict__.get(part, MISSING)
+        owner = owner.get(part, MISSING) if isinstance(owner, dict) else owner.__dict__.get(part, MISSING)
         if owner is MISSING:
             return None, name, MISSING
     raw = owner.get(name, MISSING) if isinstance(owner, dict) else owner.__dict__.get(name, MISSING)
@@ -80,7 +80,9 @@ def _rebind(fn: types.FunctionType, globals_: dict, cls: type | None) -> types.F
         if name == "__class__" and cls is not None:
             cells.append(types.CellType(cls))
         else:
-            raise SubmissionError(f"{fn.__qualname__} uses a closure variable {name!r}; define it at module level")
+            raise SubmissionError(
+                f"{fn.__qualname__} uses a closure variable {name!r}; define it at module level"
+            )
     new = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, tuple(cells) or None)
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__qualname__, new.__doc__, new.__dict__ = fn.__qualname__, fn.__doc__, dict(fn.__dict__)
@@ -137,7 +139,9 @@ class Submission:
         undo: list[Callable[[], None]] = []
         try:
             for rel in dict.fromkeys(split_spec(spec)[0] for spec in functions):
-                self._add_new_names(self.namespace(rel), vars(importlib.import_module(module_name(rel))), undo)
+                self._add_new_names(
+                    self.namespace(rel), vars(importlib.import_module(module_name(rel))), undo
+                )
             for spec in functions:
                 self._swap(spec, undo)
             yield

@@ -1,5 +1,6 @@
-"""The assignment machinery: stripping solutions (make_handout.py), grading (grade.py), and the real tree's
-handout failing every graded test that the reference passes."""
+"""The assignment machinery: stripping solutions (make_handout.py), the rubric, grading problem by problem
+(cs336_grading, scripts/grade.py), and the real tree: the reference earns every point, the handout none,
+and every handout failure is its own problem's."""
 
 import importlib.util
 import json
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,7 +24,9 @@ def _load(name: str):
 
 
 make_handout = _load("make_handout")
-grade = _load("grade")
+from cs336_grading import grader, plugin  # noqa: E402
+from cs336_grading import rubric as rubric_mod  # noqa: E402
+from cs336_grading import submission as submission_mod  # noqa: E402
 
 
 def lines(*rows: str) -> str:
@@ -125,7 +129,7 @@ def test_strip_rejects_a_block_outside_a_function():
 
 
 # ----------------------------------------------------------------------------------------------------
-# conftest.py: marker checks and CUDA skips
+# Markers and CUDA skips
 
 
 class FakeItem:
@@ -145,89 +149,171 @@ class FakeItem:
         (pytest.mark.graded(problem="rope"), "write the marker as"),
         (pytest.mark.graded("rope", 2), "write the marker as"),
         (pytest.mark.graded(problem="rope", points=2, extra=1), "write the marker as"),
-        (pytest.mark.graded(problem="RoPE", points=2), "unknown problem 'RoPE'"),
+        (pytest.mark.graded(problem="no such", points=2), "the problem must be a name"),
         (pytest.mark.graded(problem="rope", points=0), "points must be a positive number"),
         (pytest.mark.graded(problem="rope", points="2"), "points must be a positive number"),
     ],
 )
-def test_conftest_rejects_bad_graded_markers(marker, message):
-    conftest = _load_conftest()
-    conftest.check_graded_marker(FakeItem(pytest.mark.slow))  # ungraded: fine
-    conftest.check_graded_marker(FakeItem(pytest.mark.graded(problem="rope", points=2.5)))
+def test_bad_graded_markers_are_usage_errors(marker, message):
+    assert plugin.graded_marker(FakeItem(pytest.mark.slow)) is None  # ungraded: fine
+    assert plugin.graded_marker(FakeItem(pytest.mark.graded(problem="rope", points=2.5))) == ("rope", 2.5)
     with pytest.raises(pytest.UsageError, match=f"tests/test_x.py::test_x: {message}"):
-        conftest.check_graded_marker(FakeItem(marker))
+        plugin.graded_marker(FakeItem(marker))
 
 
 def test_conftest_skips_cuda_tests_exactly_without_a_gpu():
     import torch
 
+    spec = importlib.util.spec_from_file_location("cs336_tests_conftest", REPO / "tests" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
     items = [FakeItem(pytest.mark.cuda), FakeItem(pytest.mark.slow)]
-    _load_conftest().pytest_collection_modifyitems(None, items)
+    conftest.pytest_collection_modifyitems(None, items)
     skipped = [item.get_closest_marker("skip") is not None for item in items]
     assert skipped == [not torch.cuda.is_available(), False]
 
 
-def _load_conftest():
-    spec = importlib.util.spec_from_file_location("cs336_tests_conftest", REPO / "tests" / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# ----------------------------------------------------------------------------------------------------
+# Swapping a submission's functions into the reference
+
+
+def test_submission_swaps_code_in_place_and_restores_it(tmp_path):
+    """The student's code runs with the reference's globals: its calls reach the reference helpers."""
+    import cs336_inference.layers as layers
+
+    student = tmp_path / "cs336_inference" / "layers.py"
+    student.parent.mkdir()
+    source = (REPO / "cs336_inference" / "layers.py").read_text()
+    body = "    x1, x2 = x.chunk(2, dim=-1)\n    return torch.cat([-x2, x1], dim=-1)\n"
+    assert body in source
+    wrong = "    return _student_helper(x)\n\n\ndef _student_helper(x):\n    return -x\n"
+    student.write_text(source.replace(body, wrong).replace("eps: float = 1e-5", "eps: float = 0.5"))
+    x = torch.arange(4.0)
+    reference = layers.rotate_half(x)
+    sub = submission_mod.Submission(tmp_path)
+    with sub.use(["cs336_inference/layers.py::rotate_half"]):
+        assert torch.equal(layers.rotate_half(x), -x), "the student's rotate_half runs"
+        from cs336_inference.layers import rotate_half  # a name imported elsewhere sees it too
+
+        assert torch.equal(rotate_half(x), -x)
+        assert layers.RMSNorm(4).eps == 1e-5, "code outside the problem's functions stays the reference's"
+    assert torch.equal(layers.rotate_half(x), reference) and not hasattr(layers, "_student_helper")
+
+
+def test_submission_method_using_super_and_a_new_helper_method(tmp_path):
+    import cs336_inference.layers as layers
+
+    student = tmp_path / "cs336_inference" / "layers.py"
+    student.parent.mkdir()
+    source = (REPO / "cs336_inference" / "layers.py").read_text()
+    body = "        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))\n"
+    assert body in source
+    new = (
+        "        super().forward  # the reference never calls super(): a __class__ cell to rebuild\n"
+        "        return self._twice(x)\n\n"
+        "    def _twice(self, x):\n        return 2 * x\n"
+    )
+    student.write_text(source.replace(body, new))
+    mlp, x = layers.SwiGLU(4, 6), torch.randn(2, 4)
+    with submission_mod.Submission(tmp_path).use(["cs336_inference/layers.py::SwiGLU.forward"]):
+        assert torch.equal(mlp(x), 2 * x)
+    assert not hasattr(layers.SwiGLU, "_twice") and mlp(x).shape == (2, 4) and not torch.equal(mlp(x), 2 * x)
+
+
+def test_submission_that_does_not_import_or_lacks_the_function(tmp_path):
+    (tmp_path / "cs336_inference").mkdir()
+    (tmp_path / "cs336_inference" / "layers.py").write_text("def rotate_half(x:\n")
+    (tmp_path / "cs336_inference" / "kv_cache.py").write_text("x = 1\n")
+    sub = submission_mod.Submission(tmp_path)
+    with pytest.raises(submission_mod.SubmissionError, match=r"layers.py failed to import.*SyntaxError"):
+        with sub.use(["cs336_inference/layers.py::rotate_half"]):
+            pass
+    with pytest.raises(submission_mod.SubmissionError, match="has no function StaticKVCache.update"):
+        with sub.use(["cs336_inference/kv_cache.py::StaticKVCache.update"]):
+            pass
+    with pytest.raises(submission_mod.SubmissionError, match="cannot be read"):
+        with sub.use(["cs336_inference/model.py::TransformerLM.forward"]):
+            pass
 
 
 # ----------------------------------------------------------------------------------------------------
-# make_handout + grade on a throwaway repository
+# The rubric, make_handout and grade on a throwaway repository
 
 
-def _mini_repo(root: Path, extra_test: str = "") -> Path:
-    """A tiny package with two solution blocks, graded tests (one exercising uncovered code), staff files."""
+def _mini_repo(root: Path, extra_test: str = "", heading_points: str = "3.5") -> Path:
+    """A tiny package with solution blocks in two modules, a handout, graded tests, staff files."""
     files = {
-        "minipkg/__init__.py": "",
-        "minipkg/ops.py": lines(
+        "cs336_inference/__init__.py": "",
+        "cs336_inference/ops.py": lines(
             "def double(x):",
             "    # BEGIN SOLUTION rmsnorm",
             "    return 2 * x",
             "    # END SOLUTION",
             "",
             "",
-            "def square(x):",
-            "    # BEGIN SOLUTION swiglu",
-            "    return x * x",
-            "    # END SOLUTION",
+            "class Squarer:",
+            "    def __call__(self, x):",
+            "        # BEGIN SOLUTION swiglu",
+            "        return x * x",
+            "        # END SOLUTION",
             "",
             "",
             "def increment(x):",
             "    return x + 1",
         ),
+        "cs336_inference/acc.py": lines(
+            "from cs336_inference.ops import double",
+            "",
+            "",
+            "def quadruple(x):",
+            "    # BEGIN SOLUTION matmul_accounting",
+            "    return double(double(x))",
+            "    # END SOLUTION",
+        ),
         "tests/test_ops.py": lines(
             "import pytest",
             "",
-            "from minipkg.ops import double, increment, square",
+            "from cs336_inference.ops import Squarer, double, increment",
             "",
             "",
             '@pytest.mark.graded(problem="rmsnorm", points=2)',
             "def test_double():",
             "    assert double(3) == 6",
+            "    assert increment(1) == 2",
             "",
             "",
             '@pytest.mark.graded(problem="rmsnorm", points=1.5)',
-            "def test_double_negative():",
-            "    assert double(-1) == -2",
-            "",
-            "",
-            '@pytest.mark.graded(problem="rope", points=1)',
-            "def test_increment():  # exercises code no solution block covers",
-            "    assert increment(1) == 2",
+            '@pytest.mark.parametrize("x", [-1, 0, 5])',
+            "def test_double_cases(x):",
+            "    assert double(x) == x + x",
             "",
             "",
             '@pytest.mark.graded(problem="swiglu", points=3)',
             "def test_square():",
-            "    assert square(3) == 9",
+            "    assert Squarer()(3) == 9",
             "",
             "",
             "def test_not_graded():",
             "    assert False",
         )
         + extra_test,
+        "tests/test_acc.py": lines(
+            "import pytest",
+            "",
+            "from cs336_inference.acc import quadruple",
+            "",
+            "",
+            '@pytest.mark.graded(problem="matmul_accounting", points=2)',
+            "def test_quadruple():",
+            "    assert quadruple(3) == 12",
+        ),
+        "assignments/handout.md": lines(
+            "## Part 1: ops",
+            f"### Problem (rmsnorm): Doubling ({heading_points} points)",
+            "### Problem (swiglu): Squaring (3 points)",
+            "## Part 3: accounting",
+            "### Problem (matmul_accounting): Four times (2 points)",
+        ),
         "tests/hidden/test_secret.py": "def test_secret():\n    pass\n",
         "scripts/make_reference_outputs.py": "print('staff')\n",
         "reference_weights/blob.bin": "\x00\x01binary\xff",
@@ -239,107 +325,128 @@ def _mini_repo(root: Path, extra_test: str = "") -> Path:
         (root / rel).write_text(text, encoding="utf-8")
     for rel in ("pyproject.toml", "tests/conftest.py", "scripts/grade.py"):
         shutil.copyfile(REPO / rel, root / rel)
+    shutil.copytree(
+        REPO / "cs336_grading", root / "cs336_grading", ignore=shutil.ignore_patterns("__pycache__")
+    )
     subprocess.run(["git", "init", "-q", str(root)], check=True)
     return root
 
 
-def _problems(tree: Path, ref, handout) -> list[str]:
-    """Everything that breaks 'the reference passes every graded test, the handout fails every one, and
-    every graded problem has a solution block and vice versa'."""
-    problems = []
-    for name, run in (("reference", ref), ("handout", handout)):
-        problems += [f"{name}: collection error in {nodeid}" for nodeid, _ in run.collection_errors]
-    cuda_skips = {t.nodeid for t in ref.tests if t.outcome == "skipped" and "CUDA" in t.output}
-    problems += [
-        f"reference {t.outcome}: {t.nodeid} ({t.problem}): {grade._last_line(t.output)}"
-        for t in ref.tests
-        if t.outcome != "passed" and t.nodeid not in cuda_skips
+def test_rubric_from_handout_blocks_and_tests(tmp_path):
+    src = _mini_repo(tmp_path / "src")
+    rubric = grader.write_rubric(src)
+    assert json.loads((src / "assignments" / "rubric.json").read_text()) == rubric
+    assert rubric["total"] == 8.5
+    rms = rubric["problems"]["rmsnorm"]
+    assert (rms["points"], rms["part"], rms["functions"]) == (3.5, 1, ["cs336_inference/ops.py::double"])
+    assert rms["tests"] == {  # a parametrized test's points are shared by its cases
+        "tests/test_ops.py::test_double": 2,
+        "tests/test_ops.py::test_double_cases[-1]": 0.5,
+        "tests/test_ops.py::test_double_cases[0]": 0.5,
+        "tests/test_ops.py::test_double_cases[5]": 0.5,
+    }
+    assert rubric["problems"]["swiglu"]["functions"] == ["cs336_inference/ops.py::Squarer.__call__"]
+    # The traced run: quadruple's tests call double, so matmul_accounting needs rmsnorm done first.
+    assert [rubric["problems"][p]["needs"] for p in ("rmsnorm", "swiglu", "matmul_accounting")] == [
+        [],
+        [],
+        ["rmsnorm"],
     ]
-    if {t.nodeid for t in handout.tests} != {t.nodeid for t in ref.tests}:
-        problems.append("the handout does not collect the same graded tests as the reference")
-    problems += [
-        f"handout passes: {t.nodeid} ({t.problem}); the code it exercises is not inside a solution block"
-        for t in handout.tests
-        if t.outcome == "passed"
-    ]
-    blocks = make_handout.solution_blocks(tree)
-    graded = {t.problem for t in ref.tests}
-    problems += [f"graded problem {p!r} has no solution block" for p in sorted(graded - set(blocks))]
-    for p in sorted(set(blocks) - graded):
-        problems.append(f"solution block for {p!r} has no graded test ({', '.join(blocks[p])})")
-    return problems
 
 
-def _grade_both(ref_dir: Path, handout_dir: Path):
-    # One after the other: on 2 cores, running the two (or pytest-xdist workers) side by side was slower.
-    return grade.run_graded(ref_dir), grade.run_graded(handout_dir)
+def test_rubric_refuses_disagreements(tmp_path):
+    src = _mini_repo(tmp_path / "src", heading_points="4")
+    with pytest.raises(
+        rubric_mod.RubricError, match="'rmsnorm': the handout says 4 points, its tests carry 3.5"
+    ):
+        grader.write_rubric(src, trace=False)
+    ops = src / "cs336_inference" / "ops.py"
+    ops.write_text(
+        ops.read_text().replace(
+            "    return 2 * x\n", "    y = 2 * x\n    # END SOLUTION\n    # BEGIN SOLUTION rope\n    return y\n"
+        )
+    )
+    with pytest.raises(rubric_mod.RubricError, match="ops.py::double holds blocks of two problems"):
+        rubric_mod.solution_functions(src)
 
 
 def test_handout_and_grade_on_a_mini_repo(tmp_path):
     src = _mini_repo(tmp_path / "src")
+    grader.write_rubric(src)
     out = tmp_path / "handout"
     cli = [sys.executable, str(REPO / "scripts" / "make_handout.py"), "--repo", str(src), "--out", str(out)]
     made = subprocess.run(cli, capture_output=True, text=True)
     assert made.returncode == 0, made.stderr
-    assert made.stdout.count("\n") == 1 and "stripped 2 blocks: rmsnorm 1, swiglu 1" in made.stdout
+    assert made.stdout.count("\n") == 1 and "stripped 3 blocks" in made.stdout
 
     # Staff-only and git-ignored files are left out; everything else is copied, data byte for byte.
-    written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
-    assert written == [
-        ".gitignore",
-        "minipkg/__init__.py",
-        "minipkg/ops.py",
-        "pyproject.toml",
-        "reference_weights/blob.bin",
-        "scripts/grade.py",
-        "tests/conftest.py",
-        "tests/test_ops.py",
-    ]
+    written = {
+        p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    }
+    assert {"assignments/rubric.json", "cs336_inference/ops.py", "reference_weights/blob.bin"} <= written
+    assert not written & {"tests/hidden/test_secret.py", "scripts/make_reference_outputs.py", "notes.log"}
     blob = "reference_weights/blob.bin"
     assert (out / blob).read_bytes() == (src / blob).read_bytes()
-    assert 'raise NotImplementedError("rmsnorm")' in (out / "minipkg/ops.py").read_text()
+    assert 'raise NotImplementedError("rmsnorm")' in (out / "cs336_inference/ops.py").read_text()
     again = subprocess.run(cli, capture_output=True, text=True)
     assert again.returncode == 2 and "not an empty folder" in again.stderr
 
-    # Grade the reference through the CLI (results.json, table, xdist) and both trees through the function.
+    # The reference through the CLI (results.json, table, xdist workers).
     results = tmp_path / "results.json"
-    cmd = [sys.executable, str(src / "scripts" / "grade.py"), "--repo", str(src), "--out", str(results)]
+    cmd = [sys.executable, str(src / "scripts" / "grade.py"), "--submission", str(src), "--out", str(results)]
     workers = ["-n", "2"] if importlib.util.find_spec("xdist") else []  # reports then come from workers
     graded = subprocess.run(cmd + workers, capture_output=True, text=True)
     assert graded.returncode == 0, graded.stderr
-    assert graded.stdout.strip().splitlines()[-1] == "TOTAL: 7.5 / 7.5"
+    assert graded.stdout.strip().splitlines()[-1] == "TOTAL: 8.5 / 8.5"
     report = json.loads(results.read_text())
-    assert report["score"] == 7.5
-    assert sorted((t["name"], t["score"], t["max_score"]) for t in report["tests"]) == [
-        ("rmsnorm: tests/test_ops.py::test_double", 2, 2),
-        ("rmsnorm: tests/test_ops.py::test_double_negative", 1.5, 1.5),
-        ("rope: tests/test_ops.py::test_increment", 1, 1),
-        ("swiglu: tests/test_ops.py::test_square", 3, 3),
-    ]
-    assert all(isinstance(t["output"], str) and t["visibility"] == "visible" for t in report["tests"])
-
-    ref, handout = _grade_both(src, out)
-    assert (ref.score, ref.max_score, handout.score, handout.max_score) == (7.5, 7.5, 1, 7.5)
-    failed = {t.nodeid.split("::")[1]: t for t in handout.tests if t.outcome == "failed"}
-    assert sorted(failed) == ["test_double", "test_double_negative", "test_square"]
-    assert "NotImplementedError: rmsnorm" in failed["test_double"].output
-    assert grade.summary_lines(handout)[-1] == "TOTAL: 1 / 7.5"
-
-    # The coverage check names the graded test that the handout still passes, and the problem without a block.
-    assert _problems(src, ref, handout) == [
-        "handout passes: tests/test_ops.py::test_increment (rope); "
-        "the code it exercises is not inside a solution block",
-        "graded problem 'rope' has no solution block",
+    assert report["score"] == 8.5 and len(report["tests"]) == 6
+    assert ("rmsnorm: tests/test_ops.py::test_double_cases[0]", 0.5, 0.5) in [
+        (t["name"], t["score"], t["max_score"]) for t in report["tests"]
     ]
 
+    # The handout scores 0 and each failure is its own problem's stub (matmul_accounting's test calls
+    # double, which is rmsnorm's, but runs with the reference double: isolation).
+    handout = grader.run_graded(src, submission=out)
+    assert (handout.score, handout.max_score) == (0, 8.5)
+    for t in handout.tests:
+        assert f"NotImplementedError: {t.problem}" in t.output, (t.nodeid, t.output)
+    assert grader.summary_lines(handout)[-1] == "TOTAL: 0 / 8.5"
 
-def test_grade_rejects_bad_markers_and_arguments(tmp_path):
-    bad = lines("", "", '@pytest.mark.graded(problem="no_such_problem", points=1)', "def test_bad():", BODY)
-    src = _mini_repo(tmp_path / "src", extra_test=bad)
-    with pytest.raises(grade.GradeError, match="unknown problem 'no_such_problem'"):
-        grade.run_graded(src)
+    # A syntax error in one module costs exactly that module's problems, with the error as their output.
+    broken = tmp_path / "broken"
+    shutil.copytree(src / "cs336_inference", broken / "cs336_inference")
+    (broken / "cs336_inference" / "acc.py").write_text("def quadruple(x:\n")
+    run = grader.run_graded(src, submission=broken)
+    assert (run.score, run.max_score) == (6.5, 8.5)
+    [failed] = [t for t in run.tests if t.outcome != "passed"]
+    assert failed.problem == "matmul_accounting" and "acc.py failed to import" in failed.output
+
+    # A submission's own tests and rubric are never used: the staff's grade it.
+    cheat = tmp_path / "cheat"
+    shutil.copytree(out, cheat)
+    (cheat / "tests" / "test_ops.py").write_text(
+        "import pytest\n\n\n@pytest.mark.graded(problem='rmsnorm', points=99)\ndef test_x():\n    pass\n"
+    )
+    (cheat / "assignments" / "rubric.json").write_text('{"total": 1, "problems": {}}')
+    run = grader.run_graded(src, submission=cheat)
+    assert (run.score, run.max_score) == (0, 8.5)
+
+
+def test_the_maximum_does_not_shrink_when_a_test_module_fails_to_import(tmp_path):
+    src = _mini_repo(tmp_path / "src")
+    grader.write_rubric(src)
+    (src / "tests" / "test_acc.py").write_text("import no_such_module\n")
+    run = grader.run_graded(src)
+    assert (run.score, run.max_score) == (6.5, 8.5)
+    [missing] = [t for t in run.tests if t.outcome != "passed"]
+    assert missing.outcome == "not run" and missing.problem == "matmul_accounting"
+    assert run.collection_errors and "no_such_module" in run.collection_errors[0][1]
+    assert grader.summary_lines(run)[-1] == "TOTAL: 6.5 / 8.5"
+
+
+def test_grade_rejects_bad_arguments(tmp_path):
     missing = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "grade.py"), "--repo", str(tmp_path / "nope")],
+        [sys.executable, str(REPO / "scripts" / "grade.py"), "--submission", str(tmp_path / "nope")],
         capture_output=True,
         text=True,
     )
@@ -351,13 +458,44 @@ def test_grade_rejects_bad_markers_and_arguments(tmp_path):
 # The real tree
 
 
+def test_rubric_is_current():
+    """assignments/rubric.json is what the handout, the blocks and the graded tests say now."""
+    stored = rubric_mod.load(REPO)
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests", "-m", "graded", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "--collect-graded", str(REPO / ".pytest_graded.json")],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    path = REPO / ".pytest_graded.json"
+    try:
+        assert collected.returncode == 0, collected.stdout[-2000:]
+        graded = json.loads(path.read_text())
+    finally:
+        path.unlink(missing_ok=True)
+    fresh = rubric_mod.build(REPO, graded)
+    for entry in stored["problems"].values():
+        entry.pop("needs", None)
+    assert fresh == stored, "assignments/rubric.json is stale: run python scripts/grade.py --write-rubric"
+
+
 @pytest.mark.slow
-def test_handout_fails_every_graded_test_the_reference_passes(tmp_path):
+def test_reference_earns_every_point_and_the_handout_none(tmp_path):
+    """The handout fails every graded test with its own problem's NotImplementedError (so no problem's
+    tests depend on another problem's code during grading); the reference passes every one."""
     handout_dir = tmp_path / "handout"
-    summary = make_handout.make_handout(REPO, handout_dir)
-    ref, handout = _grade_both(REPO, handout_dir)
-    if not ref.tests and not ref.collection_errors:
-        pytest.skip(f"no graded tests in the tree yet ({sum(summary['blocks'].values())} solution blocks)")
-    problems = _problems(REPO, ref, handout)
-    if problems:
-        pytest.fail("\n".join(problems), pytrace=False)
+    make_handout.make_handout(REPO, handout_dir)
+    ref = grader.run_graded(REPO, submission=REPO)
+    problems = [
+        f"reference {t.outcome}: {t.nodeid}: {grader.last_line(t.output)}"
+        for t in ref.tests
+        if t.outcome != "passed"
+    ]
+    assert ref.score == ref.max_score == rubric_mod.load(REPO)["total"], "\n".join(problems)
+    handout = grader.run_graded(REPO, submission=handout_dir)
+    problems = [
+        f"{t.nodeid} ({t.problem}) does not fail on its own stub: {grader.last_line(t.output)}"
+        for t in handout.tests
+        if f"NotImplementedError: {t.problem}" not in t.output
+    ]
+    assert not problems, "\n".join(problems)
+    assert handout.score == 0
