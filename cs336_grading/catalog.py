@@ -100,7 +100,7 @@ def check_one(repo: Path, entry: WrongSolution, only_own: bool = False) -> Verdi
     """Grade the reference with this one mistake planted; which problems lost points?"""
     with tempfile.TemporaryDirectory(prefix=f"wrong-{entry.problem}-") as tmp:
         submission = make_submission(repo, entry, Path(tmp))
-        extra = ["--only-problems", entry.problem] if only_own else None
+        extra = [f"--problem={entry.problem}"] if only_own else None
         try:
             run = run_graded(
                 repo, submission=submission, extra=extra, problems=[entry.problem] if only_own else None

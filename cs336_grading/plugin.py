@@ -5,7 +5,7 @@
   reference (cs336_grading.submission); without it the tests run whatever package is imported;
 - `--grade-report FILE`: writes one outcome per graded test case (the controller, under xdist too);
 - `--collect-graded FILE`: writes the collected graded cases (nodeid, problem, points), for the rubric;
-- `--only-problems a,b`: runs only those problems' graded tests (the catalog's quick check);
+- `--problem NAME` (repeatable): runs only that problem's graded tests (`pytest --problem rope`);
 - `--trace-needs FILE`: records which problems' functions each graded test calls (for the rubric).
 """
 
@@ -31,9 +31,7 @@ def pytest_addoption(parser):
     group.addoption(
         "--collect-graded", default=None, help="write the collected graded cases to this JSON file"
     )
-    group.addoption(
-        "--only-problems", default=None, help="comma-separated problems: deselect the others' tests"
-    )
+    group.addoption("--problem", action="append", default=None, help="run only this problem's graded tests")
     group.addoption(
         "--trace-needs", default=None, help="write the problems each graded test calls to this file"
     )
@@ -76,9 +74,9 @@ class GradingPlugin:
 
     # ---------------------------------------------------------------- collection
     def pytest_collection_modifyitems(self, config, items):
-        only = config.getoption("--only-problems")
+        only = config.getoption("--problem")
         if only:
-            keep = set(only.split(","))
+            keep = {name for value in only for name in value.split(",")}
             chosen = [item for item in items if (graded_marker(item) or ("",))[0] in keep]
             config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
             items[:] = chosen

@@ -1,6 +1,6 @@
 """Grade a submission with this checkout's graded tests, reference outputs and rubric.
 
-    python scripts/grade.py [--submission DIR] [--out results.json] [-k EXPR] [-n WORKERS]
+    python scripts/grade.py [--submission DIR] [--problem NAME] [--out results.json] [-k EXPR] [-n WORKERS]
     python scripts/grade.py --write-rubric          # staff: regenerate assignments/rubric.json
 
 Each problem's graded tests run with the submission's functions for that problem and this checkout's
@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cs336_grading.grader import GradeError, results_json, run_graded, summary_lines, write_rubric  # noqa: E402
-from cs336_grading.rubric import RUBRIC, RubricError  # noqa: E402
+from cs336_grading.rubric import RUBRIC, RubricError, load  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     here = Path(__file__).resolve().parents[1]
     parser.add_argument("--submission", type=Path, default=None, help="checkout to grade (default: this one)")
     parser.add_argument("--out", type=Path, default=Path("results.json"), help="where to write results.json")
+    parser.add_argument("--problem", action="append", help="grade only this problem (repeatable)")
     parser.add_argument("-k", default=None, help="only run graded tests matching this pytest -k expression")
     parser.add_argument("-n", type=int, default=0, help="pytest-xdist workers (0: none)")
     parser.add_argument("--write-rubric", action="store_true", help=f"regenerate {RUBRIC} from this checkout")
@@ -35,7 +36,14 @@ def main(argv: list[str] | None = None) -> int:
             rubric = write_rubric(here)
             print(f"wrote {RUBRIC}: {len(rubric['problems'])} problems, {rubric['total']} points")
             return 0
-        run = run_graded(here, submission=args.submission, k=args.k, workers=args.n)
+        if args.problem:
+            unknown = sorted(set(args.problem) - set(load(here)["problems"]))
+            if unknown:
+                raise GradeError(f"unknown problem {unknown[0]!r}; see {RUBRIC}")
+        extra = [f"--problem={p}" for p in args.problem or []]
+        run = run_graded(
+            here, submission=args.submission, k=args.k, workers=args.n, extra=extra, problems=args.problem
+        )
         args.out.write_text(json.dumps(results_json(run), indent=2) + "\n")
     except (GradeError, RubricError, OSError) as e:
         print(f"grade: error: {e}", file=sys.stderr)

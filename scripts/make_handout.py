@@ -7,7 +7,7 @@ Every block
     # END SOLUTION
 
 in a .py file becomes `raise NotImplementedError("<problem>")` at the block's indentation.
-Staff-only files (STAFF_ONLY below) are left out. Usage:
+Staff-only files (STAFF_ONLY below) are left out, and the student README replaces the staff one. Usage:
 
     python scripts/make_handout.py --out handout/ [--repo .]
 """
@@ -28,13 +28,19 @@ from pathlib import Path
 # Paths left out of the handout (relative to the repository root, "/" separated). An entry ending in "/"
 # is a folder; other entries are file names or glob patterns.
 STAFF_ONLY = (
+    ".ci/",  # the staff repository's CI
     "scripts/make_handout.py",
+    "scripts/check_tests.py",  # the wrong-solution catalog and its runner
+    "tests/test_catalog.py",
     "scripts/make_reference_outputs.py",
     "tests/test_handout.py",
     "tests/test_repo.py",  # ruff on stripped code and the staff CI script are not the students' concern
     "tests/hidden/",
     "assignments/staff/",
 )
+
+# Files the handout takes from elsewhere in the tree: the student README replaces the staff one.
+REPLACED = {"README.md": "assignments/README.student.md"}
 
 # Folders skipped when the source is not a git checkout.
 SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints", "build", "dist"}
@@ -179,7 +185,7 @@ def make_handout(src: Path, out: Path) -> dict:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"--out {out} exists and is not an empty folder")
     files = [rel for rel in list_files(src) if not (src / rel).resolve().is_relative_to(out)]
-    kept = [rel for rel in files if not is_staff_only(rel)]
+    kept = [rel for rel in files if not is_staff_only(rel) and rel not in REPLACED.values()]
     # Strip everything before writing anything, so an error leaves no half-written handout.
     stripped: dict[str, str] = {}
     blocks: Counter = Counter()
@@ -193,7 +199,9 @@ def make_handout(src: Path, out: Path) -> dict:
     for rel in kept:
         dst = out / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
-        if rel in stripped:
+        if rel in REPLACED and (src / REPLACED[rel]).is_file():
+            shutil.copy2(src / REPLACED[rel], dst)
+        elif rel in stripped:
             with open(dst, "w", encoding="utf-8", newline="") as f:
                 f.write(stripped[rel])
             shutil.copymode(src / rel, dst)

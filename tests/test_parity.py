@@ -1,7 +1,7 @@
 """Our logits against Hugging Face transformers on the same tiny random checkpoints.
 
 reference_weights/<case>/ holds a checkpoint saved by transformers and the logits transformers
-computed for it (scripts/make_reference_outputs.py). The graded tests need only those files;
+computed for it (made once by the course staff). The graded tests need only those files;
 the last test recomputes the logits with transformers itself when it is installed.
 """
 
