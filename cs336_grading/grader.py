@@ -205,7 +205,7 @@ def last_line(text: str) -> str:
 
 def write_rubric(repo: Path, trace: bool = True) -> dict:
     """Collect the reference's graded tests (and, with trace, run them recording which problems each
-    calls) and write assignments/rubric.json. Returns the rubric."""
+    calls), write assignments/rubric.json and the handout's table of problems. Returns the rubric."""
     repo = Path(repo).resolve()
     with tempfile.TemporaryDirectory(prefix="rubric-") as tmp:
         collected, needs = Path(tmp) / "graded.json", Path(tmp) / "needs.json"
@@ -223,4 +223,9 @@ def write_rubric(repo: Path, trace: bool = True) -> dict:
         traced = json.loads(needs.read_text()) if trace else None
     rubric = rubric_mod.build(repo, graded, traced)
     (repo / rubric_mod.RUBRIC).write_text(rubric_mod.dump(rubric), encoding="utf-8")
+    handout = repo / rubric_mod.HANDOUT
+    if rubric_mod.TABLE_BEGIN in handout.read_text(encoding="utf-8"):
+        handout.write_text(
+            rubric_mod.with_table(handout.read_text(encoding="utf-8"), rubric), encoding="utf-8"
+        )
     return rubric

@@ -162,3 +162,27 @@ def dump(rubric: dict) -> str:
 def problem_of_function(rubric: dict) -> dict[str, str]:
     """'path.py::Qual.name' -> problem."""
     return {spec: name for name, p in rubric["problems"].items() for spec in p["functions"]}
+
+
+TABLE_BEGIN = "<!-- rubric table: written by `python scripts/grade.py --write-rubric` -->"
+TABLE_END = "<!-- end rubric table -->"
+
+
+def handout_table(rubric: dict) -> str:
+    """The handout's table of problems: part, problem, points, and which other problems' code its tests
+    call (done first, they let the tests pass locally; the grader uses the reference for them)."""
+    rows = ["| part | problem | points | its tests also call |", "| ---: | --- | ---: | --- |"]
+    for name, p in rubric["problems"].items():
+        needs = ", ".join(f"`{n}`" for n in p.get("needs", [])) or "nothing else"
+        rows.append(f"| {p['part']} | `{name}`: {p['title']} | {p['points']} | {needs} |")
+    rows.append(f"| | **total** | **{rubric['total']}** | |")
+    return "\n".join(rows)
+
+
+def with_table(handout: str, rubric: dict) -> str:
+    """The handout text with the table between its markers replaced (RubricError without markers)."""
+    if TABLE_BEGIN not in handout or TABLE_END not in handout:
+        raise RubricError(f"{HANDOUT} needs the lines {TABLE_BEGIN!r} and {TABLE_END!r} around its table")
+    head, rest = handout.split(TABLE_BEGIN, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    return f"{head}{TABLE_BEGIN}\n{handout_table(rubric)}\n{TABLE_END}{tail}"

@@ -363,7 +363,8 @@ def test_rubric_refuses_disagreements(tmp_path):
     ops = src / "cs336_inference" / "ops.py"
     ops.write_text(
         ops.read_text().replace(
-            "    return 2 * x\n", "    y = 2 * x\n    # END SOLUTION\n    # BEGIN SOLUTION rope\n    return y\n"
+            "    return 2 * x\n",
+            "    y = 2 * x\n    # END SOLUTION\n    # BEGIN SOLUTION rope\n    return y\n",
         )
     )
     with pytest.raises(rubric_mod.RubricError, match="ops.py::double holds blocks of two problems"):
@@ -473,6 +474,8 @@ def test_rubric_is_current():
     finally:
         path.unlink(missing_ok=True)
     fresh = rubric_mod.build(REPO, graded)
+    handout = (REPO / rubric_mod.HANDOUT).read_text()
+    assert rubric_mod.with_table(handout, stored) == handout, "the handout's table of problems is stale"
     for entry in stored["problems"].values():
         entry.pop("needs", None)
     assert fresh == stored, "assignments/rubric.json is stale: run python scripts/grade.py --write-rubric"
@@ -484,13 +487,19 @@ def test_reference_earns_every_point_and_the_handout_none(tmp_path):
     tests depend on another problem's code during grading); the reference passes every one."""
     handout_dir = tmp_path / "handout"
     make_handout.make_handout(REPO, handout_dir)
-    ref = grader.run_graded(REPO, submission=REPO)
+    traced = tmp_path / "needs.json"
+    ref = grader.run_graded(REPO, extra=["--trace-needs", str(traced)])
     problems = [
         f"reference {t.outcome}: {t.nodeid}: {grader.last_line(t.output)}"
         for t in ref.tests
         if t.outcome != "passed"
     ]
-    assert ref.score == ref.max_score == rubric_mod.load(REPO)["total"], "\n".join(problems)
+    rubric = rubric_mod.load(REPO)
+    assert ref.score == ref.max_score == rubric["total"], "\n".join(problems)
+    needs = json.loads(traced.read_text())
+    for name, entry in rubric["problems"].items():
+        called = {p for nodeid in entry["tests"] for p in needs[nodeid]} - {name}
+        assert set(entry["needs"]) == called, f"{name}: the rubric's needs are stale (--write-rubric)"
     handout = grader.run_graded(REPO, submission=handout_dir)
     problems = [
         f"{t.nodeid} ({t.problem}) does not fail on its own stub: {grader.last_line(t.output)}"
