@@ -1,8 +1,9 @@
 """The lecture's accounting: FLOPs, bytes, arithmetic intensity, KV-cache size, latency, throughput.
 
-Everything here is a formula on a `ModelConfig` (or on matmul sizes); nothing runs a model. The
-notation is the lecture's: B batch, T query tokens of this pass (prefill T = S, decode T = 1), S
-key/value tokens, D d_model, F d_ff, N query heads, K key/value heads, H head dim, L layers, V vocab.
+Everything here is a formula on a `ModelConfig` (or on matmul sizes, or on the parameter sizes of a
+live model); nothing runs a model. The notation is the lecture's: B batch, T query tokens of this
+pass (prefill T = S, decode T = 1), S key/value tokens, D d_model, F d_ff, N query heads, K key/value
+heads, H head dim, L layers, V vocab.
 
 The central claim, derived from these counts:
 
@@ -44,8 +45,12 @@ Some write-ups of the lecture quote other figures. They do not follow from the f
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from cs336_inference.config import ModelConfig
+
+if TYPE_CHECKING:  # only for annotations: accounting needs no model
+    from cs336_inference.model import TransformerLM
 
 # The lecture's accelerator: an H100 SXM (dense bf16 FLOP/s, HBM bytes per second, memory).
 H100_FLOPS = 989e12
@@ -310,6 +315,37 @@ def forward_flops(cfg: ModelConfig, B: int, T: int, S: int) -> int:
         window = cfg.layer_window(layer)
         attention += attention_flops(cfg, B, T, S if window is None else min(S, window))
     return 2 * B * T * matrices + attention
+
+
+def decode_weight_bytes(model: TransformerLM) -> int:
+    """Bytes of weights one decode step of a live model reads: every parameter once, in its own dtype.
+
+    A tied embedding is one parameter, read as the output matrix. An untied input embedding is left
+    out: a step looks up only B of its rows.
+    """
+    skip = model.embed.weight if model.lm_head is not None else None
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not skip)
+
+
+def decode_step_bytes(
+    model_or_cfg: TransformerLM | ModelConfig, B: int, S: int, dtype_bytes: int | None = None
+) -> int:
+    """Bytes one decode step reads: the weights (`decode_weight_bytes`) plus B KV caches of S tokens.
+
+    The numerator of the decode roofline (time >= bytes / read bandwidth). Given a model, the weights
+    are counted from its parameters and `dtype_bytes` (of the cache) defaults to the model's dtype;
+    given a config, the weights are num_params(exact=True) less an untied input embedding, and
+    dtype_bytes defaults to 2 (bf16). Unlike the lecture's `total_memory_bytes` (all memory held),
+    this counts the norm weights and leaves out the rows of an untied input embedding nobody reads.
+    """
+    if isinstance(model_or_cfg, ModelConfig):
+        cfg, dtype_bytes = model_or_cfg, dtype_bytes or 2
+        lookup_only = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+        weights = dtype_bytes * (num_params(cfg, exact=True) - lookup_only)
+    else:
+        cfg, weights = model_or_cfg.config, decode_weight_bytes(model_or_cfg)
+        dtype_bytes = dtype_bytes or model_or_cfg.embed.weight.element_size()
+    return weights + kv_cache_bytes(cfg, B, S, dtype_bytes)
 
 
 # -------------------------------------------------------------- speculative decoding

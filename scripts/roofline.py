@@ -3,8 +3,9 @@
 Measures the read bandwidth (a working set well beyond the last-level cache, and one the size of the
 model) and the matmul FLOP/s (fp32, bf16). Then, for matmuls [B*T, D] x [D, F] with B*T = 1..1024
 and for real decode steps of a model at several batch sizes, it compares the measured time with the
-roofline prediction max(FLOPs / peak, bytes / bandwidth), prints a table, writes roofline.json and
-draws roofline.png (log-log: the bandwidth slope, the compute roof, the measured points).
+roofline prediction max(FLOPs / peak, bytes / bandwidth) (cs336_inference/roofline.py), prints a
+table, writes roofline.json and draws roofline.png (log-log: the bandwidth slope, the compute roof,
+the measured points). Float32 on a CPU, bfloat16 on a GPU.
 
     python scripts/roofline.py                  # this machine (the GPU if there is one)
     python scripts/roofline.py --quick          # small sizes, few repeats (seconds)
@@ -16,10 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,13 +25,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cs336_inference import accounting as acc  # noqa: E402
-from cs336_inference.config import ModelConfig  # noqa: E402
+from cs336_inference import roofline as rl  # noqa: E402
+from cs336_inference.checkpoint import default_model_path, load_pretrained  # noqa: E402
 
-MiB = 2**20
-BT_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
-BT_SIZES_QUICK = [1, 4, 16, 64, 256]
-DECODE_BATCHES = [1, 4, 16]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MiB = rl.MiB
 
 
 class RooflineError(Exception):
@@ -101,169 +96,6 @@ def lecture_table() -> str:
         "  171.8 GB for 70B, 64 x 32k tokens (formula 687.2 GB; 171.8 GB is a quarter of it, 16 requests).",
     ]
     return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------ measuring
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1) -> float:
-    """Median wall time of fn() after warm-up (CUDA events on a GPU)."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def last_level_cache_bytes(device: torch.device) -> int | None:
-    """Size of the largest cache (L3 on a CPU, L2 on a GPU), or None if unknown."""
-    if device.type == "cuda":
-        return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
-    best = None
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        try:
-            level = int((index / "level").read_text())
-            size = (index / "size").read_text().strip()
-        except (OSError, ValueError):
-            continue
-        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
-        n = int(size.rstrip("KMG")) * scale
-        if best is None or level > best[0] or (level == best[0] and n > best[1]):
-            best = (level, n)
-    return None if best is None else best[1]
-
-
-def read_bandwidth(n_bytes: int, device: torch.device, repeats: int) -> float:
-    """Bytes per second reading a float32 buffer of n_bytes (x.sum(): one read, almost no writes)."""
-    x = torch.ones(max(n_bytes // 4, 1), dtype=torch.float32, device=device)
-    seconds = median_seconds(lambda: x.sum(), device, repeats, warmup=2)
-    return x.nbytes / seconds
-
-
-def matmul_peak(n: int, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
-    """FLOP/s of an n x n x n matmul."""
-    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
-    out = torch.empty(n, n, device=device, dtype=dtype)
-    seconds = median_seconds(lambda: torch.matmul(a, b, out=out), device, repeats)
-    return acc.matmul_flops(n, n, n) / seconds
-
-
-def predict(flops: float, n_bytes: float, peak: float, bandwidth: float) -> dict:
-    """The roofline: a kernel takes as long as its slower resource (compute and reads overlap)."""
-    compute, memory = flops / peak, n_bytes / bandwidth
-    return {
-        "flops": flops,
-        "bytes": n_bytes,
-        "intensity": flops / n_bytes,
-        "predicted_s": max(compute, memory),
-        "bound": "compute" if compute >= memory else "memory",
-    }
-
-
-def matmul_sweep(sizes, D: int, F: int, dtype: torch.dtype, device, peak, bandwidth, repeats) -> list[dict]:
-    dtype_bytes = torch.finfo(dtype).bits // 8
-    w = torch.randn(D, F, device=device).to(dtype)
-    rows = []
-    for BT in sizes:
-        x = torch.randn(BT, D, device=device).to(dtype)
-        y = torch.empty(BT, F, device=device, dtype=dtype)
-        row = {"name": f"matmul BT={BT}", "BT": BT, "D": D, "F": F}
-        row |= predict(acc.matmul_flops(BT, D, F), acc.matmul_bytes(BT, D, F, dtype_bytes), peak, bandwidth)
-        row["measured_s"] = median_seconds(lambda x=x, y=y: torch.matmul(x, w, out=y), device, repeats)
-        rows.append(row)
-    return rows
-
-
-def decode_bytes(cfg: ModelConfig, B: int, S: int, dtype_bytes: int) -> int:
-    """Bytes one decode step reads: every weight matrix (the input embedding is a lookup of B rows,
-    not counted unless it doubles as the unembedding) and the KV caches of S tokens."""
-    weights = acc.num_params(cfg, exact=True) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
-    return dtype_bytes * weights + acc.kv_cache_bytes(cfg, B, S, dtype_bytes)
-
-
-def model_steps(model, dtype, device, context: int, peak, bandwidth, repeats) -> list[dict]:
-    """Decode steps at several batch sizes (context S fixed) and one prefill, measured and predicted."""
-    cfg, dtype_bytes = model.config, torch.finfo(dtype).bits // 8
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for B in DECODE_BATCHES:
-        prompt = torch.randint(0, cfg.vocab_size, (B, context), generator=gen).to(device)
-        step_ids = torch.randint(0, cfg.vocab_size, (B, 1), generator=gen).to(device)
-        cache = model.new_cache(B, context + 1, dtype=dtype)
-        model(prompt, cache=cache)
-
-        def step(cache=cache, step_ids=step_ids):
-            model(step_ids, cache=cache, last_only=True)
-            cache.truncate(context)  # keep S fixed: every timed step attends to context + 1 keys
-
-        S = context + 1
-        row = {"name": f"decode B={B}", "B": B, "T": 1, "S": S}
-        row |= predict(acc.forward_flops(cfg, B, 1, S), decode_bytes(cfg, B, S, dtype_bytes), peak, bandwidth)
-        row["measured_s"] = median_seconds(step, device, repeats)
-        rows.append(row)
-    prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=gen).to(device)
-
-    def prefill():
-        model(prompt, cache=model.new_cache(1, context, dtype=dtype))
-
-    row = {"name": f"prefill T={context}", "B": 1, "T": context, "S": context}
-    row |= predict(
-        acc.forward_flops(cfg, 1, context, context),
-        decode_bytes(cfg, 1, context, dtype_bytes),
-        peak,
-        bandwidth,
-    )
-    row["measured_s"] = median_seconds(prefill, device, repeats)
-    rows.append(row)
-    return rows
-
-
-def random_model_config(device: torch.device, quick: bool) -> ModelConfig:
-    """A small random Llama-style GQA model (tied embeddings, so every weight is read per step)."""
-    if device.type == "cuda":  # Llama-3-8B-shaped layers, fewer of them
-        layers = 2 if quick else 8
-        return ModelConfig(
-            vocab_size=32000, d_model=4096, n_layers=layers, n_heads=32, n_kv_heads=8, d_ff=14336,
-            max_seq_len=4096, tie_embeddings=True,
-        )  # fmt: skip
-    if quick:
-        return ModelConfig(
-            vocab_size=32000, d_model=512, n_layers=4, n_heads=8, n_kv_heads=2, d_ff=1408, max_seq_len=1024,
-            tie_embeddings=True,
-        )  # fmt: skip
-    return ModelConfig(
-        vocab_size=32000, d_model=1024, n_layers=8, n_heads=16, n_kv_heads=4, d_ff=2816, max_seq_len=2048,
-        tie_embeddings=True,
-    )  # fmt: skip
-
-
-def build_model(spec: str | None, dtype: torch.dtype, device: torch.device, quick: bool):
-    from cs336_inference.model import TransformerLM
-
-    if spec is None:
-        torch.manual_seed(0)
-        with torch.device(device):  # initialise on the device (a GPU-sized model is slow to build on CPU)
-            model = TransformerLM(random_model_config(device, quick))
-        return model.to(dtype=dtype).eval(), "random"
-    from cs336_inference.checkpoint import default_model_path, load_pretrained
-
-    path = default_model_path() if spec == "default" else spec
-    return load_pretrained(path, dtype=dtype, device=device).eval(), str(path)
 
 
 # ------------------------------------------------------------------------ reporting
@@ -336,52 +168,13 @@ def measure(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    repeats = 3 if args.quick else 10
-    on_gpu = device.type == "cuda"
-    sweep_dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
-    dtype = DTYPES[sweep_dtype]
-    dtype_bytes = torch.finfo(dtype).bits // 8
-
-    result: dict = {
-        "device": device.type,
-        "device_name": torch.cuda.get_device_name(device)
-        if on_gpu
-        else f"CPU, {torch.get_num_threads()} torch thread(s)",
-        "torch_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "quick": args.quick,
-        "sweep_dtype": sweep_dtype,
-    }
-    llc = last_level_cache_bytes(device)
-    result["last_level_cache_bytes"] = llc
-    model, source = build_model(args.model, dtype, device, args.quick)
-    cfg = model.config
-    weight_bytes = sum(p.numel() for p in model.parameters()) * dtype_bytes
-    result["model"] = {"source": source, "params": acc.num_params(cfg, exact=True), "config": cfg.to_dict()}
-
-    large = max(4 * (llc or 0), (256 if on_gpu or not args.quick else 128) * MiB)
-    if on_gpu and not args.quick:
-        large = max(large, 1024 * MiB)
-    result["bandwidth"] = {
-        "large_set": {"bytes": large, "bytes_per_s": read_bandwidth(large, device, repeats)},
-        "model_set": {"bytes": weight_bytes, "bytes_per_s": read_bandwidth(weight_bytes, device, repeats)},
-    }
-    n = (4096 if args.quick else 8192) if on_gpu else (1024 if args.quick else 2048)
-    result["peak_flops"] = {name: matmul_peak(n, dt, device, repeats) for name, dt in DTYPES.items()}
-    result["peak_matmul_n"] = n
-    peak = result["peak_flops"][sweep_dtype]
-    bw_large = result["bandwidth"]["large_set"]["bytes_per_s"]
-    bw_model = result["bandwidth"]["model_set"]["bytes_per_s"]
-
-    D = F = 8192 if on_gpu else 4096  # the weight alone is larger than the last-level cache
-    sizes = BT_SIZES_QUICK if args.quick else BT_SIZES
-    result["matmul"] = matmul_sweep(sizes, D, F, dtype, device, peak, bw_large, repeats)
-    context = args.context or (64 if args.quick else 256)
-    if context + 1 > cfg.max_seq_len:
-        raise RooflineError(f"--context {context} exceeds the model's max_seq_len={cfg.max_seq_len}")
-    with torch.inference_mode():
-        result["model_steps"] = model_steps(model, dtype, device, context, peak, bw_model, repeats)
-    return result
+    dtype = rl.DTYPES[rl.sweep_dtype(device)]
+    if args.model is None:
+        model, source = rl.random_model(device, dtype, args.quick), "random"
+    else:
+        path = default_model_path() if args.model == "default" else args.model
+        model, source = load_pretrained(path, dtype=dtype, device=device).eval(), str(path)
+    return rl.measure_roofline(model, source, quick=args.quick, context=args.context)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -426,8 +219,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
-    parser.add_argument("--dtype", choices=list(DTYPES), help="dtype of the sweep and the model (default: "
-                        "float32 on CPU, bfloat16 on GPU)")  # fmt: skip
     parser.add_argument(
         "--model", help="decode this checkpoint (folder, hub id, .gguf or 'default' for SmolLM2)"
     )

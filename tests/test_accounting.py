@@ -366,3 +366,28 @@ def test_draft_cost_ratio_and_presets():
     assert acc.preset("llama2-13b", n_kv_heads=8).n_kv_heads == 8
     with pytest.raises(ValueError, match="unknown preset"):
         acc.preset("gpt-5")
+
+
+# ------------------------------------------------------------------- bytes per decode step
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("variant", list(LIVE_VARIANTS))
+def test_decode_step_bytes_are_the_live_parameters_and_cache(variant, tie):
+    from cs336_inference.model import TransformerLM
+
+    cfg = tiny(**LIVE_VARIANTS[variant], tie_embeddings=tie)
+    B, S = 2, 16
+    for dtype in (torch.float32, torch.bfloat16):
+        model = TransformerLM(cfg).to(dtype)
+        params = list(model.parameters())
+        weights = sum(p.nbytes for p in params)
+        if not tie:  # the untied input embedding is a lookup of B rows, not read whole
+            weights -= model.embed.weight.nbytes
+        else:
+            assert len(params) == len({p.data_ptr() for p in params})  # the tied matrix counted once
+        cache = model.new_cache(B, S)
+        got = acc.decode_step_bytes(model, B, S)
+        assert got == weights + cache.nbytes, f"{variant} {dtype}: {got} != {weights} + {cache.nbytes}"
+        assert acc.decode_weight_bytes(model) == weights
+        # The config's formula agrees with the live model of the same dtype.
+        assert acc.decode_step_bytes(cfg, B, S, dtype_bytes=dtype.itemsize) == got
+    assert acc.decode_step_bytes(cfg, B, S) == acc.decode_step_bytes(cfg, B, S, dtype_bytes=2)

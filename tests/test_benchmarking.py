@@ -1,0 +1,60 @@
+"""cs336_inference.benchmarking and scripts/benchmark.py's report, on a tiny random model (seconds)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cs336_inference import accounting as acc
+from cs336_inference import benchmarking as bench
+from cs336_inference.config import ModelConfig
+from cs336_inference.model import TransformerLM
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_summarize_reads_the_medians_off_the_token_stamps():
+    # Two runs of 3 tokens: first token at 1.0 / 2.0 s, then 0.5 / 1.5 s per token.
+    stamps = [[1.0, 1.5, 2.0], [2.0, 3.5, 5.0]]
+    s = bench.summarize(stamps, 3)
+    assert s["total_s"] == 3.5 and s["ttft_s"] == 1.5 and s["decode_step_s"] == 1.0
+    assert s["tokens_per_s"] == 3 / 3.5 and s["runs_total_s"] == [2.0, 5.0]
+    # Fewer tokens are read off the same runs (the first n steps are the same work).
+    assert bench.summarize(stamps, 2)["total_s"] == 2.5
+    assert bench.summarize(stamps, 1)["decode_step_s"] is None
+
+
+def test_decode_benchmark_on_a_tiny_model():
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=64)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (8,))
+    result = bench.decode_benchmark({"tiny": model}, prompt, sizes=[2, 4], vs_n=4, runs=1)
+    entry = result["models"]["tiny"]
+    assert set(entry["cached"]) == set(entry["naive"]) == {2, 4}
+    assert all(v > 0 for v in entry["speedup"].values())
+    rf = result["roofline"]
+    assert rf["avg_context"] == 8 + 4 // 2
+    assert rf["bytes_per_step"] == acc.decode_step_bytes(model, 1, rf["avg_context"])
+    assert rf["weight_bytes"] + rf["kv_bytes_per_step"] == rf["bytes_per_step"]
+    assert 0 < rf["fraction"] and 0 < rf["matvec_floor_s"]
+    assert "vs_transformers" not in result and result["profile"]
+    json.dumps(result)  # JSON-ready
+
+    # The script's report reads every key it needs from this dict.
+    spec = importlib.util.spec_from_file_location("benchmark_script", ROOT / "scripts" / "benchmark.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    result["targets"] = script.targets(result, 4)
+    report = script.format_report(result)
+    assert "tiny" in report and "of read bandwidth" in report
+    assert report.count("[met]") + report.count("[MISSED]") == len(result["targets"]) == 2
+
+
+def test_a_prompt_longer_than_the_window_is_one_clear_error():
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, d_ff=48, max_seq_len=16)
+    model = TransformerLM(cfg).eval()
+    with pytest.raises(ValueError, match="exceed the model's window 16"):
+        bench.decode_benchmark({"tiny": model}, torch.zeros(8, dtype=torch.long), sizes=[16], vs_n=4, runs=1)
