@@ -1,5 +1,5 @@
-"""assignments/: the walkthrough notebooks (stored without outputs, each runs top to bottom) and the
-handout (its points per problem are those of the graded tests).
+"""assignments/: the walkthrough notebooks (stored without outputs, each runs top to bottom).
+(The handout's points against the graded tests: tests/test_handout.py::test_rubric_is_current.)
 
 The .ipynb files are the source: edit them in Jupyter, then clear all outputs before committing
 (Edit > Clear Outputs of All Cells, or `jupyter nbconvert --clear-output --inplace <notebook>`).
@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import PROBLEMS
+
+from cs336_grading.rubric import handout_problems
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "assignments").glob("*.ipynb"))
@@ -31,46 +30,8 @@ EXPECTED = {"01_decode_is_memory_bound.ipynb", "02_kv_cache_variants.ipynb", "03
 CELL_TIMEOUT = 600  # seconds per cell; the notebooks take well under 2 minutes on an idle CPU
 HANDOUT = REPO / "assignments" / "handout.md"
 PACKAGE = REPO / "cs336_inference"
+PROBLEMS = tuple(handout_problems(REPO))
 SOLUTION_MARKER = re.compile(r"^[ \t]*# BEGIN SOLUTION\b", re.MULTILINE)
-PROBLEM_HEADING = re.compile(r"^#+ Problem \((\w+)\): .* \((\d+(?:\.\d+)?) points?\)\s*$", re.MULTILINE)
-COLLECTOR = """
-import json, os
-
-def pytest_collection_modifyitems(config, items):
-    graded = [item.get_closest_marker("graded") for item in items]
-    rows = [[m.kwargs.get("problem"), m.kwargs.get("points")] for m in graded if m is not None]
-    with open(os.environ["CS336_GRADED_OUT"], "w") as f:
-        json.dump(rows, f)
-"""
-
-
-def graded_points() -> dict[str, float]:
-    """Points per problem over the graded tests pytest collects (parametrized tests count once each)."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "cs336_collect_graded.py").write_text(COLLECTOR)
-        out = Path(tmp) / "graded.json"
-        paths = [tmp, str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "CS336_GRADED_OUT": str(out)}
-        cmd = [sys.executable, "-m", "pytest", "tests", "--collect-only", "-q", "-m", "graded"]
-        cmd += ["-p", "cs336_collect_graded", "-p", "no:cacheprovider"]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-        assert proc.returncode == 0 and out.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
-        rows = json.loads(out.read_text())
-    points: dict[str, float] = {}
-    for problem, n in rows:
-        points[problem] = points.get(problem, 0) + n
-    return points
-
-
-def test_handout_points_equal_the_graded_tests():
-    text = HANDOUT.read_text()
-    headings = {name: float(n) for name, n in PROBLEM_HEADING.findall(text)}
-    graded = graded_points()
-    assert headings == graded, "handout.md 'Problem (name): ... (N points)' headings != graded test points"
-    total = re.search(r"\*\*total\*\* \| \*\*(\d+(?:\.\d+)?)\*\*", text)
-    assert total and float(total.group(1)) == sum(graded.values())
 
 
 def test_the_walkthroughs_exist():
