@@ -24,6 +24,7 @@ CONFIGS = {
     "deepseek_v3_qlora": dict(
         model_type="deepseek_v3", n_kv_heads=4, q_lora_rank=24, rope_interleave=True, **MLA
     ),
+    "deepseek_v3_rotate_half": dict(model_type="deepseek_v3", n_kv_heads=4, rope_interleave=False, **MLA),
     "cs336_cla": dict(model_type="cs336", n_layers=4, kv_share=2),
     "cs336_hybrid": dict(
         model_type="cs336", sliding_window=4, layer_types=["sliding_attention", "full_attention"]
@@ -247,7 +248,16 @@ def test_default_model_path(monkeypatch):
 
 # ------------------------------------------------------------------ transformers reads what we write (and back)
 @pytest.mark.parametrize(
-    "name", ["llama", "llama_tied", "qwen2", "mistral", "deepseek_v3", "deepseek_v3_qlora"]
+    "name",
+    [
+        "llama",
+        "llama_tied",
+        "qwen2",
+        "mistral",
+        "deepseek_v3",
+        "deepseek_v3_qlora",
+        "deepseek_v3_rotate_half",
+    ],
 )
 def test_transformers_loads_our_folder_and_we_load_its(tmp_path, name):
     pytest.importorskip("transformers")
