@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from .attention import MLA, Attention, ForwardContext
 from .config import ModelConfig
 from .kv_cache import KVCache, MLACache, RingKVCache, StaticKVCache
-from .layers import Embedding, Linear, RMSNorm, SwiGLU, rope_tables
+from .layers import Embedding, Linear, RMSNorm, SwiGLU, rope_tables, skip_random_init
 
 
 def as_pad(pad, B: int, T: int, device: torch.device) -> Int[Tensor, " B"]:
@@ -63,6 +63,22 @@ class TransformerLM(nn.Module):
         cos, sin = rope_tables(rope_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    @classmethod
+    def empty(
+        cls, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> TransformerLM:
+        """A model with allocated but unfilled weights, for a checkpoint loader to copy into.
+
+        The constructor fills every weight with random numbers that loading overwrites at once (about
+        10 s for SmolLM2 on a CPU); here Linear and Embedding skip that (layers.skip_random_init).
+        Everything else is built as usual: column-major weights (layers.transposed_empty), the rotary
+        tables, norms at one. (Building on the "meta" device and then to_empty would work as well, but
+        torch runs meta kernels of ops like normal_ in Python and imports sympy for them: seconds.)
+        """
+        with skip_random_init(), torch.device(device):
+            model = cls(config)
+        return model.to(dtype=dtype)  # keeps each weight's strides (a no-op for float32)
 
     @property
     def vocab_weight(self) -> Tensor:
