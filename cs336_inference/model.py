@@ -18,7 +18,22 @@ from torch import Tensor, nn
 from .attention import MLA, Attention, ForwardContext
 from .config import ModelConfig
 from .kv_cache import KVCache, MLACache, RingKVCache, StaticKVCache
-from .layers import Embedding, Linear, RMSNorm, SwiGLU, rope_tables
+from .layers import Embedding, Linear, RMSNorm, SwiGLU, rope_tables, skip_random_init
+
+
+def as_pad(pad, B: int, T: int, device: torch.device) -> Int[Tensor, " B"]:
+    """pad (a tensor, list or tuple of B integers, each in 0..T-1) as a LongTensor; ValueError otherwise.
+
+    T is the number of steps the padding is counted in (each row keeps at least one real token).
+    """
+    pad = torch.as_tensor(pad, device=device)
+    if pad.dtype.is_floating_point or pad.dtype.is_complex or pad.dtype == torch.bool:
+        raise ValueError(f"pad must hold integers (left-padding counts), got dtype {pad.dtype}")
+    if pad.shape != (B,):
+        raise ValueError(f"pad must have shape ({B},), one count per row, got {tuple(pad.shape)}")
+    if B and not (0 <= int(pad.min()) and int(pad.max()) < T):
+        raise ValueError(f"pad must be in 0..{T - 1} (every row keeps a real token), got {pad.tolist()}")
+    return pad.long()
 
 
 class TransformerBlock(nn.Module):
@@ -49,6 +64,22 @@ class TransformerLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    @classmethod
+    def empty(
+        cls, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> TransformerLM:
+        """A model with allocated but unfilled weights, for a checkpoint loader to copy into.
+
+        The constructor fills every weight with random numbers that loading overwrites at once (about
+        10 s for SmolLM2 on a CPU); here Linear and Embedding skip that (layers.skip_random_init).
+        Everything else is built as usual: column-major weights (layers.transposed_empty), the rotary
+        tables, norms at one. (Building on the "meta" device and then to_empty would work as well, but
+        torch runs meta kernels of ops like normal_ in Python and imports sympy for them: seconds.)
+        """
+        with skip_random_init(), torch.device(device):
+            model = cls(config)
+        return model.to(dtype=dtype)  # keeps each weight's strides (a no-op for float32)
+
     @property
     def vocab_weight(self) -> Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
@@ -62,12 +93,18 @@ class TransformerLM(nn.Module):
     ) -> Float[Tensor, "B T V"]:
         """Logits for every position (only the last one when last_only).
 
-        pad[b] = number of left-padding tokens in row b (batched prompts of unequal length);
-        with a cache, the cache's own pad is used.
+        pad[b] = number of left-padding tokens in row b (batched prompts of unequal length): a tensor,
+        list or tuple of B integers in 0..T-1. With a cache, the pad given to new_cache applies to
+        every step, and passing pad here too is an error.
         """
         B, T = input_ids.shape
         start = 0 if cache is None else cache.pos
         if cache is not None:
+            if pad is not None:
+                raise ValueError(
+                    "pad is given with a cache: the cache's own pad (model.new_cache(..., pad=...)) "
+                    "applies to every step; pass pad to new_cache only"
+                )
             pad = cache.pad
             if start + T > cache.capacity:
                 raise ValueError(f"KV cache full: {start} + {T} tokens > capacity {cache.capacity}")
@@ -75,6 +112,8 @@ class TransformerLM(nn.Module):
             raise ValueError(
                 f"{start + T} tokens exceed the context window of {self.config.max_seq_len} (max_seq_len)"
             )
+        if cache is None and pad is not None:
+            pad = as_pad(pad, B, T, input_ids.device)
         q_steps = torch.arange(start, start + T, device=input_ids.device)
         positions = q_steps[None] if pad is None else (q_steps[None] - pad[:, None]).clamp(min=0)
         ctx = ForwardContext(
@@ -103,12 +142,21 @@ class TransformerLM(nn.Module):
 
         Full-attention layers get a static [B, K, S, H] cache, sliding-window layers a ring of
         W (+ spare) slots, MLA layers the latent cache, CLA borrowing layers nothing.
+
+        dtype, if given, must be the model's own: attention multiplies queries by the cached keys,
+        so both must have one dtype (a cheaper cache dtype would need a cast on every read).
         """
         cfg = self.config
         S = cfg.max_seq_len if max_seq_len is None else max_seq_len
         if not 0 < S <= cfg.max_seq_len:
             raise ValueError(f"cache length {S} must be in 1..max_seq_len={cfg.max_seq_len}")
-        dtype = dtype or self.embed.weight.dtype
+        model_dtype = self.embed.weight.dtype
+        if dtype is not None and dtype != model_dtype:
+            raise ValueError(
+                f"cache dtype {dtype} differs from the model's {model_dtype}: convert the model "
+                f"(model.to({dtype})) or leave dtype out"
+            )
+        dtype = model_dtype
         device = self.embed.weight.device
         B, K, H = batch_size, cfg.n_kv_heads, cfg.head_dim
         layers: list = []
@@ -123,9 +171,7 @@ class TransformerLM(nn.Module):
             else:
                 layers.append(StaticKVCache(B, K, S, H, H, dtype, device))
         if pad is not None:
-            pad = torch.as_tensor(pad, dtype=torch.long, device=device)
-            if pad.shape != (B,):
-                raise ValueError(f"pad must have shape ({B},), got {tuple(pad.shape)}")
+            pad = as_pad(pad, B, S, device)
         return KVCache(layers, S, pad)
 
     def num_parameters(self) -> int:

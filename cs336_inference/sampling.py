@@ -113,9 +113,11 @@ def check_sampling_args(
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if max_new_tokens is not None and (
-        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, numbers.Integral)
+        or max_new_tokens < 1
     ):
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
 
 
 # ------------------------------------------------------------------ prompts and padding
@@ -199,7 +201,10 @@ def cached_steps(
 def _prepare(
     model, prompt_ids: Prompt, max_new_tokens: int, temperature: float, top_k, top_p
 ) -> tuple[Int[Tensor, "B P"], Int[Tensor, " B"] | None, bool]:
-    """Validate arguments and prompts; return left-padded ids, pad (None if no row is padded), single."""
+    """Validate arguments and prompts; return left-padded ids, pad (None if no row is padded), single.
+
+    Everything is checked here, before anything of size max_new_tokens is allocated.
+    """
     check_sampling_args(temperature, top_k, top_p, max_new_tokens)
     prompts, single = as_prompt_list(prompt_ids)
     cfg = model.config
@@ -222,7 +227,6 @@ def _prepare(
     return ids, pad, single
 
 
-@torch.inference_mode()
 def generate_steps(
     model,
     prompt_ids: Prompt,
@@ -236,9 +240,16 @@ def generate_steps(
     """The low-level loop: yields (tokens [B], logits [B, V]) for each of max_new_tokens steps.
 
     No stopping here (rows keep going after a stop token); generate / stream_generate handle that.
-    For one prompt B = 1.
+    For one prompt B = 1. Bad arguments raise ValueError here, at the call, not at the first step.
     """
     ids, pad, _ = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p)
+    return _run_steps(model, ids, pad, int(max_new_tokens), temperature, top_k, top_p, seed, use_cache)
+
+
+@torch.inference_mode()
+def _run_steps(
+    model, ids, pad, max_new_tokens: int, temperature: float, top_k, top_p, seed, use_cache: bool
+) -> Iterator[tuple[Int[Tensor, " B"], Float[Tensor, "B V"]]]:
     generator = None
     if seed is not None:
         generator = torch.Generator(device=ids.device).manual_seed(seed)
@@ -276,7 +287,9 @@ def generate(
     """
     prompts, single = as_prompt_list(prompt_ids)
     stops = torch.tensor(_stop_ids(model, stop_token_ids), dtype=torch.long)
+    # validates every argument (a ValueError) before the buffers below are sized by max_new_tokens
     steps = generate_steps(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, use_cache)
+    max_new_tokens = int(max_new_tokens)
     B = len(prompts)
     device = model.embed.weight.device
     stops = stops.to(device)
@@ -319,14 +332,20 @@ def stream_generate(
     use_cache: bool = True,
     stop_token_ids: Sequence[int] | None = None,
 ) -> Iterator[int]:
-    """Yield the new token ids of one prompt as they are produced (a stop token is yielded, then it ends)."""
+    """Yield the new token ids of one prompt as they are produced (a stop token is yielded, then it ends).
+
+    Bad arguments raise ValueError at the call, before the first token is asked for.
+    """
     prompts, single = as_prompt_list(prompt_ids)
     if not single:
         raise ValueError("stream_generate takes one prompt (a 1-D tensor or a list of ints)")
     stops = set(_stop_ids(model, stop_token_ids))
-    for token, _ in generate_steps(
-        model, prompts[0], max_new_tokens, temperature, top_k, top_p, seed, use_cache
-    ):
+    steps = generate_steps(model, prompts[0], max_new_tokens, temperature, top_k, top_p, seed, use_cache)
+    return _stream(steps, stops)
+
+
+def _stream(steps: Iterator[tuple[Tensor, Tensor]], stops: set[int]) -> Iterator[int]:
+    for token, _ in steps:
         token_id = int(token[0])  # the one sync per step that streaming needs
         yield token_id
         if token_id in stops:

@@ -26,7 +26,8 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from cs336_inference.checkpoint import CheckpointError, resolve
+from cs336_inference import gguf_io
+from cs336_inference.sources import CheckpointError, resolve_checkpoint
 
 # A plain ChatML template, used only when a model ships no template of its own.
 CHATML_TEMPLATE = (
@@ -228,8 +229,6 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any]) -> Tokenizer:
 
 
 def _from_gguf(path: Path) -> Tokenizer:
-    from cs336_inference import gguf_io
-
     meta = gguf_io.read_gguf(path).metadata
     if "tokenizer.ggml.tokens" not in meta:
         raise CheckpointError(f"{path} has no tokenizer (no tokenizer.ggml.tokens)")
@@ -237,12 +236,7 @@ def _from_gguf(path: Path) -> Tokenizer:
 
 
 def load_tokenizer(path_or_id: str | os.PathLike) -> Tokenizer:
-    """The tokenizer of a checkpoint folder (tokenizer.json), a hub id, or a GGUF file."""
-    path = resolve(path_or_id)
-    if path.is_dir():
-        return _from_folder(path)
-    if path.suffix == ".gguf":
-        return _from_gguf(path)
-    if path.name == "tokenizer.json":
-        return _from_folder(path.parent)
-    raise CheckpointError(f"{path} is neither a folder, a .gguf file nor a tokenizer.json")
+    """The tokenizer of whatever load_pretrained accepts: a checkpoint folder (its tokenizer.json) or
+    any file of it, a hub id, or a GGUF file (sources.resolve_checkpoint resolves both the same way)."""
+    source = resolve_checkpoint(path_or_id)
+    return _from_gguf(source.path) if source.kind == "gguf" else _from_folder(source.path)

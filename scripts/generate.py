@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("prompt_arg", nargs="?", metavar="PROMPT", help="the prompt (else --prompt, else stdin)")
     p.add_argument("--prompt", help="the prompt (alternative to the positional argument)")
-    p.add_argument("--model", help="folder, hub id or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--model", help="folder (or a file in it), hub id or GGUF file (default: SmolLM2 GGUF)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--max-new-tokens", type=int, default=256, help="at most this many new tokens (>= 1)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), else > 0")

@@ -24,6 +24,7 @@ CONFIGS = {
     "deepseek_v3_qlora": dict(
         model_type="deepseek_v3", n_kv_heads=4, q_lora_rank=24, rope_interleave=True, **MLA
     ),
+    "deepseek_v3_rotate_half": dict(model_type="deepseek_v3", n_kv_heads=4, rope_interleave=False, **MLA),
     "cs336_cla": dict(model_type="cs336", n_layers=4, kv_share=2),
     "cs336_hybrid": dict(
         model_type="cs336", sliding_window=4, layer_types=["sliding_attention", "full_attention"]
@@ -95,6 +96,34 @@ def test_dtype_and_device(tmp_path):
     model = load_pretrained(tmp_path, dtype=torch.bfloat16, device="cpu")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert not model.training
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3_qlora"])
+def test_loading_does_no_random_initialisation(tmp_path, monkeypatch, name):
+    """load_pretrained builds the model without filling weights with random numbers that the checkpoint
+    overwrites at once (for SmolLM2 that fill was ~10 s of a 12 s load); the decode layout and the
+    rotary tables still come out right."""
+    model = tiny_model(name)
+    save_pretrained(model, tmp_path)
+
+    def refuse(method: str):
+        def fill(self, *args, **kwargs):
+            raise AssertionError(f"Tensor.{method} (random initialisation) called during load_pretrained")
+
+        return fill
+
+    for method in ("normal_", "uniform_", "random_", "bernoulli_", "exponential_"):
+        monkeypatch.setattr(torch.Tensor, method, refuse(method))
+    rng = torch.random.get_rng_state()
+    loaded = load_pretrained(tmp_path)
+    monkeypatch.undo()
+    assert torch.equal(torch.random.get_rng_state(), rng), "loading drew random numbers"
+    for pname, p in loaded.named_parameters():  # column-major weights: decode streams W^T (layers.py)
+        if p.dim() == 2:
+            assert p.t().is_contiguous(), f"{pname} lost the column-major layout of transposed_empty"
+    assert torch.equal(loaded.rope_cos, model.rope_cos) and torch.equal(loaded.rope_sin, model.rope_sin)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids()), model(ids()))
 
 
 def write_shards(folder, n_shards: int = 2) -> None:
@@ -247,7 +276,16 @@ def test_default_model_path(monkeypatch):
 
 # ------------------------------------------------------------------ transformers reads what we write (and back)
 @pytest.mark.parametrize(
-    "name", ["llama", "llama_tied", "qwen2", "mistral", "deepseek_v3", "deepseek_v3_qlora"]
+    "name",
+    [
+        "llama",
+        "llama_tied",
+        "qwen2",
+        "mistral",
+        "deepseek_v3",
+        "deepseek_v3_qlora",
+        "deepseek_v3_rotate_half",
+    ],
 )
 def test_transformers_loads_our_folder_and_we_load_its(tmp_path, name):
     pytest.importorskip("transformers")

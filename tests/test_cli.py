@@ -111,6 +111,30 @@ def test_json_tokens_equal_the_library_and_the_naive_sampler(tiny_checkpoint):
     assert not out_naive["use_cache"] and out["ttft_s"] > 0 and out["decode_tokens_per_s"] > 0
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json"])
+def test_model_may_be_a_file_of_the_checkpoint_folder(tiny_checkpoint, name):
+    """--model dir/model.safetensors (or any file of the folder) loads the model and its tokenizer."""
+    args = ["--raw", "--json", "--max-new-tokens", "6", *FAST, words(5)]
+    by_folder = run_cli("--model", str(tiny_checkpoint), *args)
+    by_file = run_cli("--model", str(tiny_checkpoint / name), *args)
+    assert by_folder.returncode == 0, by_folder.stderr
+    assert by_file.returncode == 0, by_file.stderr
+    assert json.loads(by_file.stdout)["token_ids"] == json.loads(by_folder.stdout)["token_ids"]
+
+
+def test_sampling_is_reproducible_with_a_seed(tiny_checkpoint):
+    """--temperature 0.7 --top-p 0.9: the same seed gives the same text, another seed another text."""
+    args = ["--model", str(tiny_checkpoint), "--raw", "--json", "--max-new-tokens", "30", *FAST]
+    sample = ["--temperature", "0.7", "--top-p", "0.9"]
+    runs = [run_cli(*args, *sample, "--seed", seed, words(5)) for seed in ("0", "0", "1")]
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    first, again, other = (json.loads(r.stdout) for r in runs)
+    assert first["text"] == again["text"] and first["token_ids"] == again["token_ids"]
+    assert first["token_ids"] != other["token_ids"]
+    greedy = json.loads(run_cli(*args, words(5)).stdout)
+    assert first["token_ids"] != greedy["token_ids"]  # it really sampled
+
+
 def test_max_new_tokens_is_lowered_to_fit_the_window(tiny_checkpoint):
     result = run_cli("--model", str(tiny_checkpoint), "--raw", "--max-new-tokens", "500", *FAST, words(10))
     assert result.returncode == 0, result.stderr

@@ -281,3 +281,51 @@ def test_greedy_matches_transformers_llama():
     tokens, logits = generate(ours, p, 20, return_logits=True, stop_token_ids=[])
     assert torch.equal(tokens, hf_tokens)
     torch.testing.assert_close(logits, hf_logits, atol=ATOL, rtol=0)
+
+
+@pytest.fixture
+def no_large_allocation(monkeypatch):
+    """Make torch.empty / zeros / full refuse more than 10M elements (an 8 TB request fails at once)."""
+    limit = 10_000_000
+
+    def guarded(fn, takes_fill: bool):
+        def wrapper(*args, **kwargs):
+            size = args[:-1] if takes_fill else args  # torch.full(size, fill_value)
+            dims = size[0] if len(size) == 1 and isinstance(size[0], tuple | list | torch.Size) else size
+            numel = 1
+            for d in dims:
+                numel *= int(d)
+            assert numel <= limit, f"allocation of {numel} elements before the arguments were validated"
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for name in ("empty", "zeros", "full"):
+        monkeypatch.setattr(torch, name, guarded(getattr(torch, name), takes_fill=name == "full"))
+
+
+def consume(result):
+    """Run a generator (stream_generate / generate_steps) to its first step, if it is one."""
+    if not isinstance(result, torch.Tensor | list):
+        next(iter(result))
+
+
+@pytest.mark.parametrize("max_new_tokens", [-1, 0, 10**12, 2.5, True])
+@pytest.mark.parametrize(
+    "fn", [generate, naive_generate, stream_generate, generate_steps], ids=lambda f: f.__name__
+)
+def test_bad_max_new_tokens_is_one_value_error_before_any_allocation(fn, max_new_tokens, no_large_allocation):
+    model = tiny_model("gqa")
+    with pytest.raises(ValueError, match="max_new_tokens|context window") as e:
+        fn(model, prompt(10, seed=0), max_new_tokens)  # raised by the call itself, before any step
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "fn", [generate, naive_generate, stream_generate, generate_steps], ids=lambda f: f.__name__
+)
+def test_context_window_is_checked_when_called(fn):
+    model = tiny_model("gqa")
+    with pytest.raises(ValueError, match="context window"):
+        fn(model, prompt(10, seed=0), 87)  # 10 + 87 > 96
+    consume(fn(model, prompt(10, seed=0), 86))  # 10 + 86 = 96 fits

@@ -212,11 +212,87 @@ def test_mla_absorbed_reads_no_per_head_keys():
         (dict(layer_types=["sliding_attention", "full_attention"]), "sliding_window is not set"),
         (dict(kv_share=0), "kv_share"),
         (dict(head_dim=15), "must be even"),
+        (dict(kv_share="2"), "kv_share must be an integer"),
+        (dict(sliding_window=4.5), "sliding_window must be an integer"),
+        (dict(sliding_window=0), "sliding_window must be an integer >= 1"),
+        (dict(**MLA_DIMS, q_lora_rank=0), "q_lora_rank must be an integer >= 1"),
+        (dict(kv_lora_rank=0, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12), "kv_lora_rank"),
+        (dict(**{**MLA_DIMS, "v_head_dim": 12.0}), "v_head_dim must be an integer"),
+        (dict(n_layers=True), "n_layers must be an integer"),  # a bool is not an int
+        (dict(n_heads="4"), "n_heads must be an integer"),
+        (dict(vocab_size=97.0), "vocab_size must be an integer"),
+        (dict(d_ff=-1), "d_ff must be an integer >= 1"),
+        (dict(max_seq_len=0), "max_seq_len must be an integer >= 1"),
+        (dict(n_kv_heads=0), "n_kv_heads must be an integer >= 1"),
+        (dict(head_dim=0), "head_dim must be an integer >= 1"),
+        (dict(qk_rope_head_dim=-2), "qk_rope_head_dim must be an integer >= 0"),
+        (dict(bos_token_id=-1), "bos_token_id must be an integer >= 0"),
+        (dict(eos_token_id="2"), "eos_token_id must be"),
+        (dict(eos_token_id=[1, None]), "eos_token_id must be"),
+        (dict(rope_theta=0.0), "rope_theta must be a number > 0"),
+        (dict(rms_norm_eps="1e-5"), "rms_norm_eps must be a number > 0"),
+        (dict(tie_embeddings=1), "tie_embeddings must be True or False"),
+        (dict(rope_interleave="yes"), "rope_interleave must be True or False"),
     ],
 )
 def test_bad_config_is_one_clear_error(overrides, words):
-    with pytest.raises(ConfigError, match=words):
+    with pytest.raises(ConfigError, match=words) as e:
         ModelConfig(**{**TINY, **overrides})
+    assert "\n" not in str(e.value)
+
+
+def test_good_config_values_pass():
+    """Integers of numpy or JSON origin, eos lists, and MLA without a query latent are all fine."""
+    ModelConfig(**TINY, eos_token_id=[1, 2], bos_token_id=0, rope_theta=500000, sliding_window=8)
+    ModelConfig(**TINY, **MLA_DIMS, q_lora_rank=None)
+    ModelConfig(**{**TINY, "n_layers": 3}, kv_share=3)
+
+
+# ------------------------------------------------------------------------------- pad and caches
+def test_pad_may_be_a_list_or_tuple():
+    model = tiny_model(n_kv_heads=2)
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        expected = model(ids, pad=torch.tensor([3, 0]))
+        torch.testing.assert_close(model(ids, pad=[3, 0]), expected, atol=0, rtol=0)
+        torch.testing.assert_close(model(ids, pad=(3, 0)), expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "pad, words",
+    [
+        ([3], r"pad must have shape \(2,\)"),
+        ([[3, 0]], r"pad must have shape \(2,\)"),
+        ([3, -1], "pad must be in 0..8"),
+        ([9, 0], "pad must be in 0..8"),
+        ([1.5, 0], "pad must hold integers"),
+    ],
+)
+def test_bad_pad_is_one_clear_error(pad, words):
+    model = tiny_model(n_kv_heads=2)
+    with pytest.raises(ValueError, match=words) as e:
+        model(torch.randint(0, 97, (2, 9)), pad=pad)
+    assert "\n" not in str(e.value)
+    cache_pad = [16 if p == 9 else p for p in pad]  # a cache of 16 steps: pad 9 is fine, 16 is not
+    with pytest.raises(ValueError, match=words.replace("0..8", "0..15")):
+        model.new_cache(2, 16, pad=cache_pad)
+
+
+def test_pad_together_with_a_cache_is_refused():
+    """The cache's own pad (given to new_cache) applies to every step; a second one would be ignored."""
+    model = tiny_model(n_kv_heads=2)
+    cache = model.new_cache(2, 16, pad=[1, 0])
+    with pytest.raises(ValueError, match="new_cache"):
+        model(torch.randint(0, 97, (2, 4)), cache=cache, pad=torch.tensor([1, 0]))
+
+
+def test_cache_dtype_other_than_the_model_is_refused():
+    model = tiny_model(n_kv_heads=2)
+    with pytest.raises(ValueError, match="float32"):
+        model.new_cache(1, 16, dtype=torch.bfloat16)
+    assert model.new_cache(1, 16, dtype=torch.float32).layers[0].k.dtype == torch.float32
+    half = tiny_model(n_kv_heads=2).to(torch.bfloat16)
+    assert half.new_cache(1, 16).layers[0].k.dtype == torch.bfloat16
 
 
 def test_over_long_input_is_clear():
@@ -232,3 +308,50 @@ def test_parameter_count_matches_config():
     attn = D * cfg.n_heads * H * 2 + D * cfg.n_kv_heads * H * 2
     assert model.num_parameters() == 2 * V * D + L * (attn + 3 * D * F_ + 2 * D) + D
     assert math.isclose(sum(p.numel() for p in model.parameters()), model.num_parameters())
+
+
+# ------------------------------------------------------------------------- half precision
+# Worst |logit - fp32 logit| over max |fp32 logit| seen on these tiny models (CPU): 2.8% in bf16
+# (8-bit mantissa, MLA) and 0.27% in fp16 (11-bit mantissa). The bounds leave 2-3x room for other
+# kernels; a lost upcast or a float32 leftover shows as inf/NaN, a dtype check, or a far larger error.
+HALF_TOL = {torch.bfloat16: 0.06, torch.float16: 0.008}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("variant", ["gqa", "sliding", "mla"])
+def test_half_precision_forward_is_close_to_float32(dtype, variant):
+    overrides = {"gqa": dict(n_kv_heads=2), "sliding": dict(n_kv_heads=2, sliding_window=5)}
+    model = tiny_model(**overrides.get(variant, MLA_DIMS))
+    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.norm.weight.mul_(4.0)  # peaked logits: greedy choices far from ties
+        reference = model(ids)
+        half = model.to(dtype)
+        assert {p.dtype for p in half.parameters()} == {dtype}
+        logits = half(ids)
+    assert logits.dtype == dtype and bool(torch.isfinite(logits).all()), f"{dtype}: non-finite logits"
+    scale = float(reference.abs().max())
+    err = float((logits.float() - reference).abs().max())
+    assert err <= HALF_TOL[dtype] * scale, (
+        f"{dtype} {variant}: max |logit error| {err:.3g} vs scale {scale:.3g}"
+    )
+    agree = float((logits.float().argmax(-1) == reference.argmax(-1)).float().mean())
+    assert agree >= 0.9, f"{dtype} {variant}: greedy token agrees with fp32 at {agree:.0%} of positions"
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_mla_without_interleaved_rope_absorbed_equals_naive(interleave):
+    """DeepSeek checkpoints with rope_interleave=False (rotate-half keys) as well as True."""
+    model = tiny_model(**MLA_DIMS, q_lora_rank=24, rope_interleave=interleave)
+    ids = torch.randint(0, 97, (2, 15))
+    with torch.no_grad():
+        outputs = []
+        for absorb in (False, True):
+            for block in model.layers:
+                block.attn.absorb = absorb
+            outputs.append(model(ids))
+    naive, absorbed = outputs
+    assert (naive - absorbed).abs().max() <= 1e-5
+    other = tiny_model(**MLA_DIMS, q_lora_rank=24, rope_interleave=not interleave)
+    with torch.no_grad():  # same weights, other rotary layout: the flag really changes the model
+        assert (other(ids) - naive).abs().max() > 1e-3

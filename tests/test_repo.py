@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,10 +31,81 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
     assert run_tests in ci.splitlines(), "the README's test command must be a line of .ci/run"
 
 
-def test_ruff_clean():
+def ruff_command() -> list[str] | None:
+    """The ruff executable on PATH, else `python -m ruff` when ruff is installed only as a module."""
     ruff = shutil.which("ruff")
+    if ruff is not None:
+        return [ruff]
+    if importlib.util.find_spec("ruff") is not None:
+        return [sys.executable, "-m", "ruff"]
+    return None
+
+
+def test_ruff_command_falls_back_to_the_module(monkeypatch):
+    if importlib.util.find_spec("ruff") is None:
+        pytest.skip("ruff is not installed (it is in the test extra)")
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no ruff executable on PATH
+    command = ruff_command()
+    assert command == [sys.executable, "-m", "ruff"]
+    assert subprocess.run([*command, "--version"], capture_output=True).returncode == 0
+
+
+def test_ruff_clean():
+    ruff = ruff_command()
     if ruff is None:
         pytest.skip("ruff is not installed (it is in the test extra)")
     for args in (["check", "."], ["format", "--check", "."]):
-        result = subprocess.run([ruff, *args], cwd=ROOT, capture_output=True, text=True)
+        result = subprocess.run([*ruff, *args], cwd=ROOT, capture_output=True, text=True)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def package_imports() -> dict[str, set[str]]:
+    """module -> the package modules it imports anywhere (top level or inside a function)."""
+    package = ROOT / "cs336_inference"
+    modules = {
+        ".".join(p.relative_to(package).with_suffix("").parts): p
+        for p in package.rglob("*.py")
+        if p.name != "__init__.py"
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        here = name.split(".")[:-1]  # the subpackage this module is in
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: from .x import y / from . import x
+                    base = here[: len(here) - node.level + 1]
+                    parent = ".".join(["cs336_inference", *base, *([node.module] if node.module else [])])
+                else:
+                    parent = node.module or ""
+                targets = [parent] + [f"{parent}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                short = target.removeprefix("cs336_inference.")
+                if target.startswith("cs336_inference.") and short in modules and short != name:
+                    edges.add(short)
+        graph[name] = edges
+    return graph
+
+
+def test_package_has_no_import_cycle():
+    """No module imports (even lazily, inside a function) a module that imports it back."""
+    graph = package_imports()
+    assert "gguf_io" in graph["checkpoint"]  # the walk sees imports (a lazy one counts too)
+
+    def cycle_from(start: str, path: list[str]) -> list[str] | None:
+        for nxt in sorted(graph[path[-1]]):
+            if nxt == start:
+                return [*path, nxt]
+            if nxt not in path:
+                found = cycle_from(start, [*path, nxt])
+                if found:
+                    return found
+        return None
+
+    for module in sorted(graph):
+        cycle = cycle_from(module, [module])
+        assert cycle is None, "import cycle: " + " -> ".join(cycle)

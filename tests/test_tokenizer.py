@@ -200,3 +200,31 @@ def test_smollm2_chat_template_matches_transformers(smollm2_tokenizers):
         for gen in (True, False):
             expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
             assert tok.apply_chat_template(messages, add_generation_prompt=gen) == expected
+
+
+# ------------------------------------------------------------------ one path resolver for model and tokenizer
+def test_tokenizer_accepts_every_path_load_pretrained_accepts(tmp_path):
+    """A folder, any file of the folder (weights, config, tokenizer files), a GGUF file whatever its name."""
+    import torch
+
+    from cs336_inference import ModelConfig, TransformerLM, load_pretrained, save_pretrained
+
+    ref = trained_tokenizer("gpt2")
+    folder = tmp_path / "ckpt"
+    save_folder(ref, folder, TEMPLATE)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=ref.get_vocab_size(), d_model=32, n_layers=1, n_heads=2, d_ff=64)
+    save_pretrained(TransformerLM(cfg), folder)
+    expected = ref.encode(TEXTS[0]).ids
+    for name in ["", "model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"]:
+        path = folder / name if name else folder
+        assert load_tokenizer(path).encode(TEXTS[0]) == expected, name
+        assert load_tokenizer(str(path)).chat_template == TEMPLATE, name
+        assert load_pretrained(path).config == cfg, name
+    write_tokenizer_gguf(ref, tmp_path / "tok.gguf", "gpt2")
+    (tmp_path / "tok.gguf").rename(tmp_path / "renamed.bin")  # a GGUF is known by its first bytes
+    assert load_tokenizer(tmp_path / "renamed.bin").encode(TEXTS[0]) == expected
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    for load in (load_tokenizer, load_pretrained):
+        with pytest.raises(CheckpointError, match="notes.txt is neither a folder"):
+            load(tmp_path / "notes.txt")
