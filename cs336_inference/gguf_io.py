@@ -166,6 +166,22 @@ class _Cursor:
     def string(self) -> str:
         return bytes(self.take(self.scalar("Q"))).decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """count strings in a row (a vocabulary: ~50K of them, so one tight loop, no per-item calls)."""
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        for _ in range(count):
+            if pos + 8 > end:
+                break
+            n = int.from_bytes(buf[pos : pos + 8], "little")
+            if pos + 8 + n > end:
+                break
+            out.append(str(buf[pos + 8 : pos + 8 + n], "utf-8", "replace"))
+            pos += 8 + n
+        self.pos = pos
+        if len(out) < count:
+            self.take(end + 1)  # raises the 'truncated' error
+        return out
+
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype])
@@ -176,6 +192,8 @@ class _Cursor:
             if etype in _SCALARS and etype != 7:  # numbers: one numpy read instead of a Python loop
                 code = np.dtype("<" + _SCALARS[etype])
                 return np.frombuffer(self.take(count * code.itemsize), dtype=code).tolist()
+            if etype == _STRING:
+                return self.strings(count)
             return [self.value(etype) for _ in range(count)]
         raise CheckpointError(f"corrupt GGUF file {self.path}: unknown metadata value type {vtype}")
 
