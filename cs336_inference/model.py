@@ -30,6 +30,7 @@ class TransformerBlock(nn.Module):
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
 
     def forward(self, x: Float[Tensor, "B T D"], ctx: ForwardContext) -> Float[Tensor, "B T D"]:
+        """Pre-norm residual block: x + attn(attn_norm(x)), then that + mlp(mlp_norm(that))."""
         # BEGIN SOLUTION transformer_lm
         x = x + self.attn(self.attn_norm(x), ctx)
         return x + self.mlp(self.mlp_norm(x))
@@ -63,7 +64,10 @@ class TransformerLM(nn.Module):
         """Logits for every position (only the last one when last_only).
 
         pad[b] = number of left-padding tokens in row b (batched prompts of unequal length);
-        with a cache, the cache's own pad is used.
+        with a cache, the cache's own pad is used. With a cache, the tokens are steps
+        cache.pos .. cache.pos + T - 1, and cache.pos advances by T. The logits are the final norm
+        of the last block's output times the vocabulary matrix (`vocab_weight`: the embedding when
+        tie_embeddings).
         """
         B, T = input_ids.shape
         start = 0 if cache is None else cache.pos
