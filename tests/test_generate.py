@@ -11,7 +11,13 @@ import torch
 
 from cs336_inference.config import FULL, SLIDING, ModelConfig
 from cs336_inference.model import TransformerLM
-from cs336_inference.sampling import generate, generate_steps, naive_generate, stream_generate
+from cs336_inference.sampling import (
+    generate,
+    generate_steps,
+    naive_generate,
+    sample_next_token,
+    stream_generate,
+)
 
 BASE = dict(vocab_size=128, d_model=64, n_layers=2, d_ff=128, max_seq_len=96, n_heads=4)
 VARIANTS = {
@@ -94,6 +100,36 @@ def test_generate_matches_one_full_forward(variant):
         p = prompt(length, seed)
         tokens, logits = generate(model, p, N_NEW, return_logits=True, stop_token_ids=[])
         check_against_full_forward(f"variant {variant}, {name}", model, p, tokens, logits)
+
+
+SAMPLING = dict(temperature=1.5, top_k=50, top_p=0.95)
+
+
+@torch.no_grad()
+def check_sampled(use_cache: bool) -> None:
+    """Tokens are drawn by the given next_token (seeded sampling), not by an argmax of their own."""
+    model = tiny_model("gqa")
+    p = prompt(6, seed=9)
+    tokens, logits = generate(
+        model, p, 20, seed=123, use_cache=use_cache, return_logits=True, stop_token_ids=[], **SAMPLING
+    )
+    what = f"sampling with {SAMPLING}, seed 123"
+    reference = model(torch.cat([p, tokens])[None])[0, len(p) - 1 : len(p) - 1 + len(tokens)]
+    check_logits(what, logits, reference)
+    generator = torch.Generator().manual_seed(123)  # the same draws, one step at a time
+    expected = torch.cat([sample_next_token(row[None], generator=generator, **SAMPLING) for row in reference])
+    check_tokens(what, tokens, expected)
+    assert not torch.equal(tokens, reference.argmax(dim=-1)), "control: these draws should not all be greedy"
+
+
+@pytest.mark.graded(problem="naive_generate", points=1)
+def test_naive_generate_samples_with_next_token():
+    check_sampled(use_cache=False)
+
+
+@pytest.mark.graded(problem="generate", points=1)
+def test_generate_samples_with_next_token():
+    check_sampled(use_cache=True)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
