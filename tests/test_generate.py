@@ -192,7 +192,9 @@ def batch_check(variant: str, use_cache: bool):
     batched, batched_logits = generate(
         model, prompts, 20, use_cache=use_cache, return_logits=True, stop_token_ids=[]
     )
-    assert isinstance(batched, list) and len(batched) == len(prompts)
+    assert isinstance(batched, list) and len(batched) == len(prompts), (
+        f"variant {variant}: a batch of {len(prompts)} prompts gave {type(batched).__name__}, expected a list of 4"
+    )
     P = max(len(p) for p in prompts)
     for i, (p, tokens, logits) in enumerate(zip(prompts, batched, batched_logits, strict=True)):
         alone, alone_logits = generate(

@@ -133,8 +133,13 @@ def test_ring_chunked_prefill_across_the_wrap(name, spare):
 def test_ring_holds_w_slots_however_long():
     model = tiny_model(**VARIANTS["sliding"])
     small, large = model.new_cache(1, 16), model.new_cache(1, 64)
-    assert all(isinstance(s, RingKVCache) for s in large.layers)
-    assert small.nbytes == large.nbytes == 2 * 2 * (1 * 2 * 5 * 16) * 4  # L x (K,V) x B K W H x fp32
+    assert all(isinstance(s, RingKVCache) for s in large.layers), (
+        "a sliding layer's cache is not a RingKVCache"
+    )
+    expected = 2 * 2 * (1 * 2 * 5 * 16) * 4  # L x (K,V) x B K W H x fp32
+    assert small.nbytes == large.nbytes == expected, (
+        f"ring caches of 16 and 64 steps hold {small.nbytes} and {large.nbytes} bytes, expected {expected} (W slots)"
+    )
     with torch.no_grad():
         for t in range(30):
             model(torch.tensor([[t % 97]]), cache=large)
@@ -186,8 +191,10 @@ def test_ring_update_returns_every_needed_key_and_advances_pos(spare):
         start += T
     # truncate (given) relies on pos: rolling back 3 steps needs 3 spare slots
     if spare == 0:
-        with pytest.raises(ValueError, match="spare"):
-            store.truncate(start - 3)
+        check_value_error(
+            f"truncate({start - 3}) after {start} steps in a ring without spare slots (truncate reads store.pos)",
+            lambda: store.truncate(start - 3),
+        )
     else:
         store.truncate(start - 2)
         assert store.pos == start - 2, f"pos = {store.pos} after truncate({start - 2})"
@@ -205,9 +212,10 @@ def test_mla_cache_prefill_then_decode_equals_full_forward(name):
 def test_mla_cache_holds_only_latent_and_rope_key():
     model = tiny_model(**VARIANTS["mla"])
     cache = model.new_cache(3, 20)
-    assert all(isinstance(s, MLACache) for s in cache.layers)
+    assert all(isinstance(s, MLACache) for s in cache.layers), "an MLA layer's cache is not an MLACache"
     per_token_per_layer = MLA_DIMS["kv_lora_rank"] + MLA_DIMS["qk_rope_head_dim"]
-    assert cache.nbytes == TINY["n_layers"] * 3 * 20 * per_token_per_layer * 4
+    expected = TINY["n_layers"] * 3 * 20 * per_token_per_layer * 4
+    assert cache.nbytes == expected, f"the MLA cache holds {cache.nbytes} bytes, expected {expected}"
     latents = []  # what the cache must hold: the normalized latent c_kv of every token
     model.layers[1].attn.kv_a_norm.register_forward_hook(lambda mod, inp, out: latents.append(out))
     with torch.no_grad():
