@@ -22,6 +22,30 @@ from .kv_cache import KVCache, RingKVCache
 from .layers import Linear, RMSNorm, apply_rope, interleaved_to_half
 
 
+def causal_mask(q_steps: Int[Tensor, " T"], k_steps: Int[Tensor, " S"]) -> Bool[Tensor, "T S"]:
+    """The causal rule: mask[i, j] = True (visible) iff 0 <= k_steps[j] <= q_steps[i].
+
+    Steps are time indices, not slot numbers: a cache may return its keys in any order (a ring
+    buffer does), and a key step of -1 marks an empty slot, which is never visible.
+    """
+    q, k = q_steps[:, None], k_steps[None, :]
+    # BEGIN SOLUTION attention
+    return (k <= q) & (k >= 0)
+    # END SOLUTION
+
+
+def window_mask(q_steps: Int[Tensor, " T"], k_steps: Int[Tensor, " S"], window: int) -> Bool[Tensor, "T S"]:
+    """The sliding-window clause: mask[i, j] = True iff q_steps[i] - window < k_steps[j].
+
+    The window counts the current token (Mistral's convention): with causality (applied separately,
+    by `attention_mask`) query i sees keys i - W + 1 .. i, W of them.
+    """
+    q, k = q_steps[:, None], k_steps[None, :]
+    # BEGIN SOLUTION sliding_window
+    return k > q - window
+    # END SOLUTION
+
+
 def attention_mask(
     q_steps: Int[Tensor, " T"],
     k_steps: Int[Tensor, " S"],
@@ -30,21 +54,17 @@ def attention_mask(
 ) -> Bool[Tensor, "B T S"]:
     """Which keys each query may see (True = visible); batch dim is 1 when there is no padding.
 
-    Causal: key step j is visible to query step i iff 0 <= j <= i (j = -1 marks an empty slot).
-    Sliding window W: additionally i - W < j (the window counts the current token).
+    Causal (`causal_mask`): key step j is visible to query step i iff 0 <= j <= i.
+    Sliding window W (`window_mask`): additionally i - W < j (the window counts the current token).
     Left padding: keys in row b's first pad[b] steps are never visible (a padding query sees
     itself only, so its row of the softmax is never empty).
     """
-    q, k = q_steps[:, None], k_steps[None, :]
-    # BEGIN SOLUTION attention
-    visible = (k <= q) & (k >= 0)
-    # END SOLUTION
+    visible = causal_mask(q_steps, k_steps)
     if window is not None:
-        # BEGIN SOLUTION sliding_window
-        visible = visible & (k > q - window)
-        # END SOLUTION
+        visible = visible & window_mask(q_steps, k_steps, window)
     if pad is None:
         return visible[None]
+    q, k = q_steps[:, None], k_steps[None, :]
     not_pad = k[None] >= pad[:, None, None]
     return visible[None] & (not_pad | (k == q)[None])
 
@@ -57,6 +77,10 @@ def attend(
     scale: float,
 ) -> Float[Tensor, "B N T Hv"]:
     """softmax(q k^T * scale + mask) v, with each K/V head serving N/K consecutive query heads.
+
+    Query head n uses K/V head n // (N/K). mask[b, i, j] = True lets query i of row b see key j
+    (None: every key is visible); the softmax is computed in float32. Returns a new tensor in v's
+    dtype; K and V must not be copied N/K times (group the query heads instead).
 
     Decode reads all of k and v (2 * B * K * S * H numbers) for only 4 * B * N * S * H FLOPs:
     arithmetic intensity about N/K, however large B is. That is why decode is memory-bound.
@@ -118,6 +142,12 @@ class Attention(nn.Module):
         self.o_proj = Linear(N * H, D)
 
     def forward(self, x: Float[Tensor, "B T D"], ctx: ForwardContext) -> Float[Tensor, "B T D"]:
+        """Attention output for the T tokens of x (before the residual add).
+
+        An owning layer projects K/V, writes them to its cache store (if any) and records
+        ctx.kv[layer] = (k, v, steps). A borrowing layer (CLA) projects only its queries and reads the
+        (k, v, steps) its owner `cfg.kv_owner(layer)` recorded earlier in this forward pass.
+        """
         H = self.head_dim
         q = apply_rope(rearrange(self.q_proj(x), "b t (n h) -> b n t h", h=H), ctx.cos, ctx.sin)
         store = ctx.cache.layers[self.owner] if ctx.cache is not None else None
@@ -213,7 +243,12 @@ class MLA(nn.Module):
         k_pe: Float[Tensor, "B S p"],
         mask: Bool[Tensor, "B T S"] | None,
     ) -> Float[Tensor, "B N T v"]:
-        """Up-project every cached latent to per-head keys and values, then attend."""
+        """Up-project every cached latent to per-head keys and values, then attend.
+
+        kv_b_proj(c_kv) gives, per head, nope key dims followed by v_dim value dims; head n's key is
+        [k_nope_n, k_pe] (k_pe shared by all heads) and its query [q_nope_n, q_pe]. Returns the
+        attention output of every head, [B, N, T, v_dim].
+        """
         # BEGIN SOLUTION mla
         kv = rearrange(self.kv_b_proj(c_kv), "b s (n d) -> b n s d", n=self.n_heads)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
@@ -230,7 +265,13 @@ class MLA(nn.Module):
         k_pe: Float[Tensor, "B S p"],
         mask: Bool[Tensor, "B T S"] | None,
     ) -> Float[Tensor, "B N T v"]:
-        """Attend over the latents: W_UK folded into the query, W_UV applied to the output."""
+        """Attend over the latents: W_UK folded into the query, W_UV applied to the output.
+
+        Same result as `naive` (same scale, mask and float32 softmax), but scores are
+        (W_UK_n^T q_nope_n) . c_kv + q_pe_n . k_pe, and W_UV multiplies the weighted sum of latents:
+        kv_b_proj is never applied to the cache. `_w_uk_uv` gives W_UK [N, nope, r] and W_UV [N, v, r].
+        Returns [B, N, T, v_dim].
+        """
         # BEGIN SOLUTION mla
         w_uk, w_uv = self._w_uk_uv()
         q_latent = torch.einsum("bntd,ndr->bntr", q_nope, w_uk)

@@ -32,7 +32,11 @@ class StaticKVCache:
     def update(
         self, k: Float[Tensor, "B K T H"], v: Float[Tensor, "B K T Hv"], start: int
     ) -> tuple[Float[Tensor, "B K S H"], Float[Tensor, "B K S Hv"], Int[Tensor, " S"]]:
-        """Write the T new keys/values at steps start..start+T-1; return steps 0..start+T-1."""
+        """Write the T new keys/values at steps start..start+T-1 (in place) and return what to attend.
+
+        Returns views of the keys, values and steps of steps 0..start+T-1 (never the unwritten rest
+        of the preallocated capacity). Raises ValueError (one line) if start + T > S_max.
+        """
         # BEGIN SOLUTION kv_cache
         end = start + k.shape[2]
         if end > self.k.shape[2]:
@@ -72,6 +76,16 @@ class RingKVCache:
     def update(
         self, k: Float[Tensor, "B K T H"], v: Float[Tensor, "B K T Hv"], start: int
     ) -> tuple[Float[Tensor, "B K S H"], Float[Tensor, "B K S Hv"], Int[Tensor, " S"]]:
+        """Write steps start..start+T-1 into the ring, set self.pos = start + T, return what to attend.
+
+        Step s goes to slot s % slots, and self.steps[slot] records it (-1: empty). Returns keys,
+        values and the step of each returned slot (in any order; the mask is built from steps):
+        - T = 1, or T <= slots - W + 1 (every key the T queries need is still in the ring after
+          the write): write first, then return the ring itself (self.k, self.v, self.steps);
+        - otherwise: return the old ring concatenated with all T new keys (slots + T of them),
+          computed before the write; the ring keeps only the newest min(T, slots) new steps.
+        `truncate` and the model's masks rely on self.pos, so update must advance it.
+        """
         # BEGIN SOLUTION ring_cache
         T = k.shape[2]
         if T == 1:  # decode: write into one slot, then attend the whole ring
@@ -127,6 +141,11 @@ class MLACache:
     def update(
         self, c_kv: Float[Tensor, "B T r"], k_pe: Float[Tensor, "B T p"], start: int
     ) -> tuple[Float[Tensor, "B S r"], Float[Tensor, "B S p"], Int[Tensor, " S"]]:
+        """Write the latents c_kv and rotary keys k_pe of steps start..start+T-1 (in place).
+
+        Returns views of c_kv, k_pe and steps for steps 0..start+T-1 (like StaticKVCache.update);
+        raises ValueError (one line) if start + T > S_max.
+        """
         # BEGIN SOLUTION mla_cache
         end = start + c_kv.shape[1]
         if end > self.c_kv.shape[1]:

@@ -85,6 +85,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Float[Tensor, "... D"]) -> Float[Tensor, "... D"]:
+        """Normalize over the last dimension; returns a tensor of x's shape and dtype.
+
+        The mean of squares is taken in float32 whatever x's dtype (fp16 activations of a few hundred
+        overflow x^2 in fp16); the result is cast back to x.dtype before the gain g (self.weight).
+        """
         # BEGIN SOLUTION rmsnorm
         dtype = x.dtype
         x32 = x.float()
@@ -105,7 +110,7 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[Tensor, 
 
 
 def rotate_half(x: Float[Tensor, "... H"]) -> Float[Tensor, "... H"]:
-    """(x1, x2) -> (-x2, x1) where x1, x2 are the two halves of the last dimension."""
+    """(x1, x2) -> (-x2, x1) where x1, x2 are the first and second halves of the last dimension."""
     # BEGIN SOLUTION rope
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
@@ -117,7 +122,9 @@ def apply_rope(
 ) -> Float[Tensor, "B heads T H"]:
     """Rotate each pair (x_i, x_{i+H/2}) by its position's angle: x cos + rotate_half(x) sin.
 
-    A query at position i and a key at position j then score a function of i - j only.
+    cos and sin are rows of `rope_tables` picked for each token's position (one row per batch row,
+    shared by all heads). Returns a new tensor of x's shape and dtype. A query at position i and a
+    key at position j then score a function of i - j only.
     """
     # BEGIN SOLUTION rope
     cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
@@ -144,6 +151,7 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(d_ff, d_model)
 
     def forward(self, x: Float[Tensor, "B T D"]) -> Float[Tensor, "B T D"]:
+        """down_proj(silu(gate_proj(x)) * up_proj(x)), silu(z) = z * sigmoid(z)."""
         # BEGIN SOLUTION swiglu
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         # END SOLUTION

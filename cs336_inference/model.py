@@ -45,6 +45,7 @@ class TransformerBlock(nn.Module):
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
 
     def forward(self, x: Float[Tensor, "B T D"], ctx: ForwardContext) -> Float[Tensor, "B T D"]:
+        """Pre-norm residual block: x + attn(attn_norm(x)), then that + mlp(mlp_norm(that))."""
         # BEGIN SOLUTION transformer_lm
         x = x + self.attn(self.attn_norm(x), ctx)
         return x + self.mlp(self.mlp_norm(x))
@@ -95,7 +96,10 @@ class TransformerLM(nn.Module):
 
         pad[b] = number of left-padding tokens in row b (batched prompts of unequal length): a tensor,
         list or tuple of B integers in 0..T-1. With a cache, the pad given to new_cache applies to
-        every step, and passing pad here too is an error.
+        every step, and passing pad here too is an error. With a cache, the tokens are steps
+        cache.pos .. cache.pos + T - 1, and cache.pos advances by T. The logits are the final norm
+        of the last block's output times the vocabulary matrix (`vocab_weight`: the embedding when
+        tie_embeddings).
         """
         B, T = input_ids.shape
         start = 0 if cache is None else cache.pos

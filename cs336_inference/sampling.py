@@ -162,9 +162,12 @@ def left_pad(prompts: list[Tensor], pad_id: int = 0) -> tuple[Int[Tensor, "B P"]
 def naive_steps(
     model, ids: Int[Tensor, "B P"], pad: Int[Tensor, " B"] | None, max_new_tokens: int, next_token: StepFn
 ) -> Iterator[tuple[Int[Tensor, " B"], Float[Tensor, "B V"]]]:
-    """Naive generation: each step runs the full context through `model(ids, pad=pad)`.
+    """Naive generation: each step runs the full context through `model(context, pad=pad, last_only=True)`.
 
-    Yields (new token per row, the logits it was sampled from) once per step.
+    ids are the left-padded prompts [B, P] (pad[b] padding tokens in row b, None: no padding).
+    Step t feeds all P + t tokens (prompt and the tokens generated so far, no cache), picks each
+    row's next token with next_token(last logits), appends it to the context and yields
+    (new token per row [B], the logits it was picked from [B, V]); max_new_tokens steps in all.
     """
     # BEGIN SOLUTION naive_generate
     B, P = ids.shape
@@ -183,8 +186,11 @@ def cached_steps(
 ) -> Iterator[tuple[Int[Tensor, " B"], Float[Tensor, "B V"]]]:
     """KV-cached generation: prefill the prompt in one pass, then feed one token per step.
 
-    The cache is allocated once for P + max_new_tokens steps (`model.new_cache(B, ..., pad=pad)`).
-    Yields (new token per row, the logits it was sampled from) once per step.
+    The cache is allocated once for P + max_new_tokens steps (`model.new_cache(B, ..., pad=pad)`:
+    the cache carries the padding, so later forwards need no pad argument). The prefill gives the
+    logits of the first new token; each later step feeds only the token just picked, [B, 1].
+    Yields (new token per row [B], the logits it was picked from [B, V]) max_new_tokens times,
+    with exactly one prefill and max_new_tokens - 1 one-token forwards.
     """
     # BEGIN SOLUTION generate
     B, P = ids.shape

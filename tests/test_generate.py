@@ -11,7 +11,13 @@ import torch
 
 from cs336_inference.config import FULL, SLIDING, ModelConfig
 from cs336_inference.model import TransformerLM
-from cs336_inference.sampling import generate, generate_steps, naive_generate, stream_generate
+from cs336_inference.sampling import (
+    generate,
+    generate_steps,
+    naive_generate,
+    sample_next_token,
+    stream_generate,
+)
 
 BASE = dict(vocab_size=128, d_model=64, n_layers=2, d_ff=128, max_seq_len=96, n_heads=4)
 VARIANTS = {
@@ -39,34 +45,91 @@ def prompt(length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, BASE["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed))
 
 
+def check_tokens(what: str, got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal token sequences; else name the first differing new token."""
+    assert got.shape == expected.shape, f"{what}: {len(got)} new tokens, expected {len(expected)}"
+    wrong = (got != expected).nonzero()
+    if len(wrong):
+        t = int(wrong[0])
+        raise AssertionError(
+            f"{what}: first differing new token at position {t}: expected {int(expected[t])}, got {int(got[t])}"
+        )
+
+
+def check_logits(what: str, got: torch.Tensor, expected: torch.Tensor, atol: float = ATOL) -> None:
+    """Step logits [n, V] equal within atol; else name the worst and the first step off."""
+    assert got.shape == expected.shape, (
+        f"{what}: logits of shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+    )
+    diff = (got - expected).abs().nan_to_num(nan=float("inf")).amax(dim=-1)
+    if diff.max() > atol:
+        first = int((diff > atol).nonzero()[0])
+        raise AssertionError(
+            f"{what}: max |diff| {float(diff.max()):.1e} at step {int(diff.argmax())} > {atol:g} "
+            f"(first step off: {first})"
+        )
+
+
 @torch.no_grad()
-def check_against_full_forward(model, prompt_ids, new_tokens, step_logits):
+def check_against_full_forward(what, model, prompt_ids, new_tokens, step_logits):
     """Greedy tokens = argmax of, and step logits = the logits of, one teacher-forced full forward."""
     P, n = len(prompt_ids), len(new_tokens)
-    assert new_tokens.shape == (n,) and step_logits.shape == (n, model.config.vocab_size)
     reference = model(torch.cat([prompt_ids, new_tokens])[None])[0, P - 1 : P - 1 + n]
-    torch.testing.assert_close(step_logits, reference, atol=ATOL, rtol=0)
-    assert torch.equal(new_tokens, reference.argmax(dim=-1))
+    check_logits(what, step_logits, reference)
+    check_tokens(what, new_tokens, reference.argmax(dim=-1))
 
 
-@pytest.mark.graded(problem="naive_generate", points=1)
+PROMPTS = {"prompt 0 (10 tokens)": (10, 1), "prompt 1 (1 token)": (1, 2)}  # name -> (length, seed)
+
+
+@pytest.mark.graded(problem="naive_generate", points=3)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_naive_generate_matches_one_full_forward(variant):
     model = tiny_model(variant)
-    p = prompt(10, seed=1)
-    tokens, logits = naive_generate(model, p, N_NEW, return_logits=True, stop_token_ids=[])
-    assert len(tokens) == N_NEW
-    check_against_full_forward(model, p, tokens, logits)
+    for name, (length, seed) in PROMPTS.items():
+        p = prompt(length, seed)
+        tokens, logits = naive_generate(model, p, N_NEW, return_logits=True, stop_token_ids=[])
+        check_against_full_forward(f"variant {variant}, {name}", model, p, tokens, logits)
 
 
-@pytest.mark.graded(problem="generate", points=1)
+@pytest.mark.graded(problem="generate", points=3)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_generate_matches_one_full_forward(variant):
     model = tiny_model(variant)
-    p = prompt(10, seed=1)
-    tokens, logits = generate(model, p, N_NEW, return_logits=True, stop_token_ids=[])
-    assert len(tokens) == N_NEW
-    check_against_full_forward(model, p, tokens, logits)
+    for name, (length, seed) in PROMPTS.items():
+        p = prompt(length, seed)
+        tokens, logits = generate(model, p, N_NEW, return_logits=True, stop_token_ids=[])
+        check_against_full_forward(f"variant {variant}, {name}", model, p, tokens, logits)
+
+
+SAMPLING = dict(temperature=1.5, top_k=50, top_p=0.95)
+
+
+@torch.no_grad()
+def check_sampled(use_cache: bool) -> None:
+    """Tokens are drawn by the given next_token (seeded sampling), not by an argmax of their own."""
+    model = tiny_model("gqa")
+    p = prompt(6, seed=9)
+    tokens, logits = generate(
+        model, p, 20, seed=123, use_cache=use_cache, return_logits=True, stop_token_ids=[], **SAMPLING
+    )
+    what = f"sampling with {SAMPLING}, seed 123"
+    reference = model(torch.cat([p, tokens])[None])[0, len(p) - 1 : len(p) - 1 + len(tokens)]
+    check_logits(what, logits, reference)
+    generator = torch.Generator().manual_seed(123)  # the same draws, one step at a time
+    expected = torch.cat([sample_next_token(row[None], generator=generator, **SAMPLING) for row in reference])
+    check_tokens(what, tokens, expected)
+    assert not torch.equal(tokens, reference.argmax(dim=-1)), "control: these draws should not all be greedy"
+
+
+@pytest.mark.graded(problem="naive_generate", points=1)
+def test_naive_generate_samples_with_next_token():
+    check_sampled(use_cache=False)
+
+
+@pytest.mark.graded(problem="generate", points=1)
+def test_generate_samples_with_next_token():
+    check_sampled(use_cache=True)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -76,8 +139,9 @@ def test_cached_and_naive_agree(variant):
         p = prompt(length, seed=length)
         cached, cached_logits = generate(model, p, 40, return_logits=True, stop_token_ids=[])
         naive, naive_logits = naive_generate(model, p, 40, return_logits=True, stop_token_ids=[])
-        assert torch.equal(cached, naive)
-        torch.testing.assert_close(cached_logits, naive_logits, atol=ATOL, rtol=0)
+        what = f"variant {variant}, prompt of {length} tokens: cached vs naive"
+        check_tokens(what, cached, naive)
+        check_logits(what, cached_logits, naive_logits)
 
 
 class ForwardRecorder:
@@ -101,8 +165,12 @@ def test_generate_prefills_once_then_feeds_one_token_per_step():
     model = tiny_model("gqa")
     recorder = ForwardRecorder(model)
     generate(model, prompt(9, seed=2), 12, stop_token_ids=[])
-    assert recorder.T == [9] + [1] * 11  # prefill the prompt, then decode: no recomputation
-    assert len(recorder.caches) == 1  # one cache, allocated up front
+    expected = [9] + [1] * 11  # prefill the prompt, then decode: no recomputation
+    assert recorder.T == expected, (
+        f"12 new tokens after a 9-token prompt: the model saw forwards of {recorder.T} tokens, "
+        f"expected {expected} (one prefill, then one token per step)"
+    )
+    assert len(recorder.caches) == 1, f"new_cache was called {len(recorder.caches)} times, expected once"
 
 
 @pytest.mark.graded(problem="naive_generate", points=1)
@@ -110,34 +178,43 @@ def test_naive_generate_feeds_the_whole_context_every_step():
     model = tiny_model("gqa")
     recorder = ForwardRecorder(model)
     naive_generate(model, prompt(9, seed=2), 12, stop_token_ids=[])
-    assert recorder.T == list(range(9, 9 + 12))
-    assert recorder.caches == []
+    expected = list(range(9, 9 + 12))
+    assert recorder.T == expected, (
+        f"12 new tokens after a 9-token prompt: the model saw forwards of {recorder.T} tokens, "
+        f"expected {expected} (the whole context every step)"
+    )
+    assert recorder.caches == [], "naive generation allocated a KV cache"
 
 
-def batch_check(model, use_cache: bool):
+def batch_check(variant: str, use_cache: bool):
+    model = tiny_model(variant, seed=4)
     prompts = [prompt(3, seed=10), prompt(11, seed=11), prompt(7, seed=12), prompt(1, seed=13)]
     batched, batched_logits = generate(
         model, prompts, 20, use_cache=use_cache, return_logits=True, stop_token_ids=[]
     )
-    assert isinstance(batched, list) and len(batched) == len(prompts)
-    for p, tokens, logits in zip(prompts, batched, batched_logits, strict=True):
+    assert isinstance(batched, list) and len(batched) == len(prompts), (
+        f"variant {variant}: a batch of {len(prompts)} prompts gave {type(batched).__name__}, expected a list of 4"
+    )
+    P = max(len(p) for p in prompts)
+    for i, (p, tokens, logits) in enumerate(zip(prompts, batched, batched_logits, strict=True)):
         alone, alone_logits = generate(
             model, p, 20, use_cache=use_cache, return_logits=True, stop_token_ids=[]
         )
-        assert torch.equal(tokens, alone)
-        torch.testing.assert_close(logits, alone_logits, atol=ATOL, rtol=0)
+        what = f"variant {variant}, prompt {i} ({len(p)} tokens, {P - len(p)} padding) batched vs alone"
+        check_logits(what, logits, alone_logits)
+        check_tokens(what, tokens, alone)
 
 
-@pytest.mark.graded(problem="generate", points=1)
+@pytest.mark.graded(problem="generate", points=3)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_batched_generate_equals_unbatched(variant):
-    batch_check(tiny_model(variant, seed=4), use_cache=True)
+    batch_check(variant, use_cache=True)
 
 
-@pytest.mark.graded(problem="naive_generate", points=1)
+@pytest.mark.graded(problem="naive_generate", points=2)
 @pytest.mark.parametrize("variant", ["gqa", "sliding", "mla"])
 def test_batched_naive_generate_equals_unbatched(variant):
-    batch_check(tiny_model(variant, seed=4), use_cache=False)
+    batch_check(variant, use_cache=False)
 
 
 def test_a_2d_tensor_is_a_batch_and_a_list_of_ints_one_prompt():
