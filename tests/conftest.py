@@ -29,6 +29,11 @@ PROBLEMS = (
     "kv_cache_bytes",
     "latency_throughput",
     "speculative_accounting",
+    "int8_absmax",
+    "int4_groupwise",
+    "q8_0",
+    "llm_int8",
+    "awq",
 )
 
 
