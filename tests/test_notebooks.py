@@ -58,12 +58,20 @@ def graded_points() -> dict[str, float]:
 
 
 def test_handout_points_equal_the_graded_tests():
-    text = HANDOUT.read_text()
-    headings = {name: float(n) for name, n in PROBLEM_HEADING.findall(text)}
+    """handout.md and the later parts (assignments/part*.md): each file's headings add up to its own
+    total line, and all the headings together are the graded tests' points."""
+    headings: dict[str, float] = {}
+    for path in [HANDOUT, *sorted(HANDOUT.parent.glob("part*.md"))]:
+        text = path.read_text()
+        found = {name: float(n) for name, n in PROBLEM_HEADING.findall(text)}
+        total = re.search(r"\*\*total\*\* \| \*\*(\d+(?:\.\d+)?)\*\*", text)
+        assert total and float(total.group(1)) == sum(found.values()), (
+            f"{path.name}: total != sum of its problems"
+        )
+        assert not set(found) & set(headings), f"{path.name} repeats a problem of another file"
+        headings |= found
     graded = graded_points()
-    assert headings == graded, "handout.md 'Problem (name): ... (N points)' headings != graded test points"
-    total = re.search(r"\*\*total\*\* \| \*\*(\d+(?:\.\d+)?)\*\*", text)
-    assert total and float(total.group(1)) == sum(graded.values())
+    assert headings == graded, "'Problem (name): ... (N points)' headings != graded test points"
 
 
 def test_the_walkthroughs_exist():

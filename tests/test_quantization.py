@@ -42,8 +42,8 @@ def rows_with_hard_cases(rows: int = 12, width: int = 128, seed: int = 0) -> np.
     x[2] = -np.abs(x[2])
     x[3] = np.abs(x[3]) + 0.5
     x[4, 7] = 100.0 * np.abs(x[4]).max()
-    x[5] = np.round(rng.uniform(-127, 127, width)) + 0.5  # after / (max/127) many land on .5
-    x[5, ::32] = 127.5
+    x[5] = np.round(rng.uniform(-126, 126, width)) + 0.5  # with max |x| = 127 the scale is 1: exact halves
+    x[5, ::32] = 127.0
     x[6] *= 1e-4
     return x.astype(np.float32)
 
@@ -476,6 +476,7 @@ def float_bytes_outside_linears(model: TransformerLM) -> int:
 FORMULA = {  # bytes of one [O, I] weight in each method (group size 64 for int4 / awq)
     "int8": lambda o, i: o * i + 4 * o,
     "llm_int8": lambda o, i: o * i + 4 * o,
+    "w8a8": lambda o, i: o * i + 4 * o,
     "int4": lambda o, i: o * i // 2 + (2 + 1) * o * (i // 64),
     "awq": lambda o, i: o * i // 2 + (2 + 1) * o * (i // 64),
     "q8_0": lambda o, i: o * i // 32 * 34,
@@ -495,7 +496,7 @@ def test_quantize_model_bytes_equal_the_formula_and_logits_stay_close(method):
         assert torch.equal(v, before[k]), f"quantize_model changed the input model's {k}"
     layers = [m for m in qmodel.modules() if isinstance(m, QuantizedLinear)]
     assert len(layers) == 2 * 7
-    assert all(isinstance(m, LLMInt8Linear) for m in layers) == (method == "llm_int8")
+    assert all(isinstance(m, LLMInt8Linear) for m in layers) == (method in ("llm_int8", "w8a8"))
     expected = linear_weight_bytes(model, FORMULA[method]) + float_bytes_outside_linears(model)
     assert model_nbytes(qmodel) == expected, (
         f"{method}: model_nbytes {model_nbytes(qmodel)} != formula {expected}"
@@ -547,7 +548,8 @@ def test_quantize_head_stores_the_vocabulary_matrix_quantized():
 
 def test_llm_int8_model_threshold_inf_equals_vectorwise_int8_model():
     model = tiny(seed=1)
-    a = quantize_model(model, "llm_int8", threshold=float("inf"))
+    a = quantize_model(model, "w8a8")
+    assert a.layers[0].mlp.down_proj.threshold == float("inf")
     int8 = quantize_model(model, "int8")
     layer_a = a.layers[0].mlp.down_proj
     layer_i = int8.layers[0].mlp.down_proj

@@ -6,10 +6,12 @@ Methods (every linear layer inside the transformer blocks is replaced by a Quant
     int4       asymmetric group-wise int4 (group_size 64 by default), zero points, packed
     q8_0, q4_0, q4_1   llama.cpp's blocks of 32 (byte-identical to llama.cpp's own quantizer)
     llm_int8   int8 weights; forward is LLM.int8(): int8 x int8 matmul, outlier features in float
+    w8a8       the same without the decomposition (threshold = inf): plain vector-wise int8 of
+               weights *and* activations, LLM.int8()'s negative control
     awq        AWQ scales (calibration token ids needed) folded in, then group-wise int4
 
 The embedding and the output head stay float by default (quantize_head=True quantizes them in the
-same format; llm_int8 then stores the head as int8, awq as round-to-nearest int4). Why float: the
+same format; llm_int8 / w8a8 then store the head as int8, awq as round-to-nearest int4). Why float: the
 embedding is a lookup, so a decode step reads T rows of it, not the table; and the output head is
 the most sensitive matrix (its errors go straight into the logits, and there is no later layer to
 average them out), which is why LLM.int8(), AWQ and GPTQ implementations all leave it out. The
@@ -19,6 +21,7 @@ cost is bytes: in SmolLM2-135M the tied 49152 x 576 table is 21% of the paramete
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 from jaxtyping import Int
@@ -29,8 +32,8 @@ from cs336_inference.quantization.awq import awq_fold
 from cs336_inference.quantization.linear import QuantizedEmbedding, QuantizedLinear, check_format
 from cs336_inference.quantization.llm_int8 import DEFAULT_THRESHOLD, LLMInt8Linear
 
-METHODS = ("int8", "int4", "q8_0", "q4_0", "q4_1", "llm_int8", "awq")
-STORAGE = {"llm_int8": "int8", "awq": "int4"}  # the stored format of each method
+METHODS = ("int8", "int4", "q8_0", "q4_0", "q4_1", "llm_int8", "w8a8", "awq")
+STORAGE = {"llm_int8": "int8", "w8a8": "int8", "awq": "int4"}  # the stored format of each method
 
 
 def quantized_layers(model: nn.Module) -> dict[str, QuantizedLinear]:
@@ -92,8 +95,8 @@ def quantize_model(
     else:
         new = copy.deepcopy(model)
     for parent, attr, lin, _ in _block_linears(new):
-        if method == "llm_int8":
-            layer = LLMInt8Linear.from_linear(lin, threshold=threshold)
+        if method in ("llm_int8", "w8a8"):
+            layer = LLMInt8Linear.from_linear(lin, threshold=threshold if method == "llm_int8" else math.inf)
         else:
             layer = QuantizedLinear.from_linear(lin, fmt, group_size)
         setattr(parent, attr, layer.to(lin.weight.device))
