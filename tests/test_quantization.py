@@ -134,9 +134,12 @@ def int4_reference(w: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 @pytest.mark.graded(problem="int4_groupwise", points=2)
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_int4_quantize_matches_the_documented_rule(group_size):
-    w = rows_with_hard_cases(seed=2)
+def test_int4_quantize_matches_the_documented_rule():
+    for group_size in (32, 64, 128):
+        check_int4_rule(rows_with_hard_cases(seed=2), group_size)
+
+
+def check_int4_rule(w: np.ndarray, group_size: int) -> None:
     packed, scale, zero = int4_quantize(torch.from_numpy(w), group_size)
     ref_packed, ref_scale, ref_zero = int4_reference(w, group_size)
     G = w.shape[1] // group_size
@@ -145,8 +148,12 @@ def test_int4_quantize_matches_the_documented_rule(group_size):
         f"scale: expected float16 [{w.shape[0]}, {G}], got {scale.dtype} {tuple(scale.shape)}"
     )
     assert zero.dtype == torch.uint8 and tuple(zero.shape) == (w.shape[0], G)
-    assert np.array_equal(scale.numpy(), ref_scale), "scale: " + first_mismatch(scale.numpy(), ref_scale)
-    assert np.array_equal(zero.numpy(), ref_zero), "zero: " + first_mismatch(zero.numpy(), ref_zero)
+    assert np.array_equal(scale.numpy(), ref_scale), (
+        "scale: " + first_mismatch(scale.numpy(), ref_scale) + f" (group_size {group_size})"
+    )
+    assert np.array_equal(zero.numpy(), ref_zero), (
+        "zero: " + first_mismatch(zero.numpy(), ref_zero) + f" (group_size {group_size})"
+    )
     assert np.array_equal(packed.numpy(), ref_packed), "packed q: " + first_mismatch(
         packed.numpy(), ref_packed
     )
@@ -175,9 +182,12 @@ def test_int4_round_trip_error_is_at_most_half_a_step():
 
 # ===================================================================== llama.cpp blocks
 @pytest.mark.graded(problem="q8_0", points=3)
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_q8_0_bytes_equal_llama_cpp(seed):
-    x = rows_with_hard_cases(seed=seed)
+def test_q8_0_bytes_equal_llama_cpp():
+    for seed in (0, 1, 2):
+        check_q8_0_bytes(rows_with_hard_cases(seed=seed))
+
+
+def check_q8_0_bytes(x: np.ndarray) -> None:
     ours = ggml_blocks.q8_0_quantize(torch.from_numpy(x))
     ref = gguf_quantize(x, QT.Q8_0)
     assert ours.dtype == torch.uint8 and tuple(ours.shape) == ref.shape, (
@@ -397,9 +407,12 @@ def test_awq_output_error_is_the_scaled_quantization_error():
 
 
 @pytest.mark.graded(problem="awq", points=3)
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_awq_search_picks_the_best_alpha_of_the_grid(seed):
-    x, weights = salient_layer(seed=seed)
+def test_awq_search_picks_the_best_alpha_of_the_grid():
+    for seed in (0, 1, 2):
+        check_awq_search(*salient_layer(seed=seed), case=f"salient layer seed {seed}")
+
+
+def check_awq_search(x: torch.Tensor, weights: list[torch.Tensor], case: str) -> None:
     quantize = rtn(32)
     s, alpha = awq_mod.search_scale(x, weights, quantize, n_grid=10)
     m = x.abs().mean(dim=0)
@@ -411,12 +424,12 @@ def test_awq_search_picks_the_best_alpha_of_the_grid(seed):
         errors[a] = error_of(x, weights, cand, quantize)
     best = min(errors, key=errors.get)
     assert alpha == pytest.approx(best), (
-        f"alpha {alpha} was returned but alpha {best} has the smallest error; errors by alpha: "
+        f"{case}: alpha {alpha} was returned but alpha {best} has the smallest error; errors by alpha: "
         + ", ".join(f"{a:.1f}: {e:.4g}" for a, e in errors.items())
     )
     expected_s = m.pow(best)
     expected_s = expected_s / (expected_s.max() * expected_s.min()).sqrt()
-    torch.testing.assert_close(s, expected_s, rtol=1e-5, atol=0, msg="s = m^alpha / sqrt(max * min)")
+    torch.testing.assert_close(s, expected_s, rtol=1e-5, atol=0, msg=f"{case}: s = m^alpha / sqrt(max * min)")
 
 
 @pytest.mark.graded(problem="awq", points=2)
