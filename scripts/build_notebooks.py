@@ -664,10 +664,145 @@ quadratically with the length of the output.""",
 ]
 
 
+# ------------------------------------------------------------------------------------------------
+# 04: quantization
+QUANT = [
+    (
+        "md",
+        """\
+# Quantization: bytes, perplexity, outliers
+
+Companion to Part 4 (`assignments/part4_quantization.md`). Decode reads every weight once per
+token, so fewer bytes per weight is what makes it faster. Here we quantize SmolLM2-135M with several
+of the methods of `cs336_inference/quantization/`, compare their bytes and their perplexity on a
+short stretch of the evaluation text, and look at the activation outliers that make some methods
+harder than others.
+
+Everything runs on a CPU in well under a minute. The full comparison, with KL, greedy agreement and
+decode tokens/s, is `python scripts/benchmark.py quant` (its measured table is in the Part 4 text).""",
+    ),
+    ("code", SETUP),
+    (
+        "code",
+        """\
+import time
+
+from cs336_inference.checkpoint import default_model_path, load_pretrained
+from cs336_inference.evaluation import default_eval_text, python_version, score_text
+from cs336_inference.quantization import model_nbytes, quantize_model
+from cs336_inference.quantization.awq import collect_inputs
+from cs336_inference.tokenizer import load_tokenizer
+
+start = time.perf_counter()
+path = default_model_path()
+model, tokenizer = load_pretrained(path), load_tokenizer(path)
+ids = torch.tensor(tokenizer.encode(default_eval_text(), add_special_tokens=False)[:129])
+mb = model_nbytes(model) / 1e6
+print(f"SmolLM2-135M loaded in {time.perf_counter() - start:.1f} s; {mb:.1f} MB of float32 weights")
+print(f"evaluation text: the first {ids.numel()} tokens of pydoc_data.topics (Python {python_version()})")""",
+    ),
+    (
+        "md",
+        """\
+## 1. Activation outliers
+
+The inputs of every linear layer on 256 tokens of the text, captured with forward hooks. For each
+layer: the largest |x| seen, and how many input features reach |x| >= 6 (LLM.int8()'s threshold) on
+some token. An absmax int8 quantizer of a token's activations uses max |x| / 127 as its step: with
+|x| in the thousands, every ordinary feature of that token rounds to zero.""",
+    ),
+    (
+        "code",
+        """\
+%matplotlib inline
+import matplotlib.pyplot as plt
+
+inputs = collect_inputs(model, ids[None, :256])
+groups = {"qkv": "q/k/v input", "o": "o_proj input", "gate_up": "gate/up input", "down": "down_proj input"}
+L = model.config.n_layers
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+for key, label in groups.items():
+    xs = [inputs[f"{i}.{key}"] for i in range(L)]
+    ax1.plot(range(L), [float(x.abs().max()) for x in xs], "o-", ms=3, label=label)
+    ax2.plot(range(L), [int((x.abs() >= 6).any(dim=0).sum()) for x in xs], "o-", ms=3, label=label)
+ax1.set_yscale("log")
+ax1.set_ylabel("max |x|")
+ax2.set_ylabel("input features with |x| >= 6")
+for ax in (ax1, ax2):
+    ax.set_xlabel("layer")
+    ax.grid(alpha=0.3)
+    ax.legend()
+plt.show()
+down = inputs[f"{L - 1}.down"]
+n_out = int((down.abs() >= 6).any(dim=0).sum())
+print(f"last layer, down_proj input: {n_out} of {down.shape[1]} features reach 6.0")""",
+    ),
+    (
+        "md",
+        """\
+## 2. Bytes against perplexity
+
+Each method builds a new model (`quantize_model` leaves the float one alone). The embedding /
+output head stays float32, so the quantized models keep about 113 MB of it. Perplexity here is on a
+single window of 128 predictions: a noisy number, good for comparing methods on the same tokens.""",
+    ),
+    (
+        "code",
+        """\
+methods = ["int8", "q8_0", "q4_1", "q4_0", "int4"]
+models = {"fp32": model}
+for method in methods:
+    models[method] = quantize_model(model, method)
+scores = score_text(models, ids, reference="fp32", window=129, stride=64)
+n_weights = model.num_parameters()
+print(f"{'method':<10}{'bits/w':>8}{'MB':>8}{'ppl':>9}{'KL':>9}")
+for name, m in models.items():
+    s = scores[name]
+    kl = f"{s['kl']:.4f}" if "kl" in s else "-"
+    nbytes = model_nbytes(m)
+    print(f"{name:<10}{8 * nbytes / n_weights:>8.2f}{nbytes / 1e6:>8.1f}{s['perplexity']:>9.3f}{kl:>9}")""",
+    ),
+    (
+        "code",
+        """\
+fig, ax = plt.subplots(figsize=(7, 4.5))
+for name, m in models.items():
+    mb, ppl = model_nbytes(m) / 1e6, scores[name]["perplexity"]
+    ax.plot(mb, ppl, "o")
+    ax.annotate(name, (mb, ppl), textcoords="offset points", xytext=(5, 4))
+ax.set_xlabel("weight MB (embedding/head in float32)")
+ax.set_ylabel("perplexity (128 tokens)")
+ax.grid(alpha=0.3)
+plt.show()
+print(f"notebook time so far: {time.perf_counter() - start:.0f} s")""",
+    ),
+    (
+        "md",
+        """\
+Things to notice (and to explain in the written questions):
+
+* q4_1 costs nothing here: the only copy of SmolLM2 on these machines is llama.cpp's Q4_1 file, so
+  the "float" weights already lie on Q4_1's grid and re-quantizing them block by block gives them back.
+* int4 with groups of 64 loses more than q4_0 with groups of 32: smaller groups follow the local
+  range of the weights.
+* Try `llm_int8` and `w8a8` (`quantize_model(model, "w8a8")`, the same without the outlier
+  decomposition): both quantize the activations too, which weight-only int8 does not, and the plot
+  of section 1 says which layers that hurts.
+
+And the bytes only become speed with a kernel that reads them directly: `QuantizedLinear.forward`
+dequantizes the whole weight first, so on its own it is slower than float32 (the benchmark's tok/s
+column). Measured with `python scripts/benchmark.py quant --threads 1 --max-tokens 4096 --window 512
+--stride 384 --decode-tokens 8 --runs 3` on a shared 2-core CPU: fp32 7.3 tok/s, llm_int8 5.1,
+int8 2.1, q8_0 1.5, q4_0 0.8.""",
+    ),
+]
+
+
 NOTEBOOKS = {
     "01_decode_is_memory_bound.ipynb": DECODE,
     "02_kv_cache_variants.ipynb": KV,
     "03_sampling.ipynb": SAMPLING,
+    "04_quantization.ipynb": QUANT,
 }
 
 
