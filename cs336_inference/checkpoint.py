@@ -255,3 +255,10 @@ def save_pretrained(model: TransformerLM, folder: str | os.PathLike) -> None:
         if not (model.config.tie_embeddings and name == "lm_head.weight")
     }
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def save_gguf(model: TransformerLM, path: str | os.PathLike, qtype: str = "q8_0", source=None) -> Path:
+    """Write a llama-architecture GGUF (f32 / f16 / q8_0 / q4_0 / q4_1): see gguf_export.save_gguf."""
+    from cs336_inference.gguf_export import save_gguf as write  # imported here: gguf_io imports this module
+
+    return write(model, path, qtype, source)

@@ -1,4 +1,7 @@
 """Benchmarks. `decode`: how fast is token-by-token generation, and how far from the memory roofline?
+`quant`: fp32 and every quantization method in one table (bytes, perplexity, KL, decode tokens/s).
+
+    python scripts/benchmark.py quant --max-tokens 4096 --json quant.json   # see scripts/evaluate.py
 
     python scripts/benchmark.py decode                 # SmolLM2-135M + a tiny model, full sizes (~20 min on CPU)
     python scripts/benchmark.py decode --quick         # small sizes (about a minute)
@@ -23,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from cs336_inference import benchmarking as bench  # noqa: E402
 from cs336_inference.checkpoint import default_model_path, load_pretrained  # noqa: E402
@@ -134,9 +138,35 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def run_quant(args: argparse.Namespace) -> dict:
+    """`quant`: fp32 and every quantization method, one table (library: evaluation.compression_table)."""
+    import evaluate
+
+    from cs336_inference import evaluation
+
+    model, tokenizer, ids, calibration, info = evaluate.prepare(args)
+    rows = evaluation.compression_table(
+        model, tokenizer, evaluate.parse_methods(args.methods), ids, calibration, args.window, args.stride,
+        decode_tokens=args.decode_tokens, decode_rounds=args.runs, greedy_tokens=args.greedy_tokens,
+        progress=evaluate.progress, log=lambda message: print(message, file=sys.stderr),
+    )  # fmt: skip
+    header = f"{info['source']}\n{info['text']}, window {args.window}, stride {args.stride}; "
+    header += f"decode: {args.decode_tokens} new tokens, median of {args.runs} interleaved rounds"
+    return {**info, "python": evaluation.python_version(), "torch_threads": torch.get_num_threads(),
+            "table": header + "\n\n" + evaluation.format_table(rows), "rows": rows}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    quant = sub.add_parser("quant", help="fp32 vs every quantization method: bytes, perplexity, KL, tok/s")
+    sys.path.insert(0, str(REPO / "scripts"))
+    import evaluate
+
+    evaluate.add_common_arguments(quant)
+    quant.set_defaults(methods="int8,llm_int8,q8_0,int4,awq,q4_0,q4_1", max_tokens=4096)
+    quant.add_argument("--decode-tokens", type=int, default=32, help="new tokens per decode timing")
+    quant.add_argument("--runs", type=int, default=3, help="interleaved decode rounds (median)")
     dec = sub.add_parser("decode", help="cached vs naive, ours vs transformers, roofline fraction")
     dec.add_argument("--model", help="checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     dec.add_argument("--quick", action="store_true", help="16 and 32 new tokens only")
@@ -144,13 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     dec.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     try:
-        if args.runs < 1:
-            raise BenchmarkError(f"--runs must be >= 1, got {args.runs}")
-        result = run_decode(args)
+        if args.command == "quant":
+            result = run_quant(args)
+            args.out = args.json
+        else:
+            if args.runs < 1:
+                raise BenchmarkError(f"--runs must be >= 1, got {args.runs}")
+            result = run_decode(args)
     except (BenchmarkError, ValueError, OSError, RuntimeError) as e:
         print(f"benchmark.py: error: {e}", file=sys.stderr)
         return 2
-    print(format_report(result))
+    print(result["table"] if args.command == "quant" else format_report(result))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -26,7 +26,12 @@ from cs336_grading.rubric import handout_problems
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "assignments").glob("*.ipynb"))
-EXPECTED = {"01_decode_is_memory_bound.ipynb", "02_kv_cache_variants.ipynb", "03_sampling.ipynb"}
+EXPECTED = {
+    "01_decode_is_memory_bound.ipynb",
+    "02_kv_cache_variants.ipynb",
+    "03_sampling.ipynb",
+    "04_quantization.ipynb",
+}
 CELL_TIMEOUT = 600  # seconds per cell; the notebooks take well under 2 minutes on an idle CPU
 HANDOUT = REPO / "assignments" / "handout.md"
 PACKAGE = REPO / "cs336_inference"

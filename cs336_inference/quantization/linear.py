@@ -1,0 +1,189 @@
+"""QuantizedLinear: a linear layer whose weight is stored in a quantized format.
+
+The layer keeps only what the format stores (packed integers, scales, zero points or raw
+llama.cpp blocks) and a float bias if the original had one. `forward` is the readable reference:
+
+    W = dequantize(stored)          # float32 [O, I]
+    y = x W^T + b
+
+That reference reads the small stored weight but then materializes the float W, so by itself it is
+not faster than the float layer; what makes quantized decode fast is a kernel that multiplies
+straight from the stored bytes. The seam for one is `KERNELS`: a function registered under a
+format's name is tried first and may return None to decline (e.g. for a shape it does not handle),
+in which case the reference runs. The decode-kernel work plugs in there; nothing else changes.
+
+Formats (bytes for an [O, I] weight; G = I / group_size):
+
+    int8   int8 q [O, I] + float32 scale [O]                        I*O + 4*O
+    int4   packed uint8 [O, I/2] + float16 scale, uint8 zero [O, G]  I*O/2 + 3*O*G
+    q8_0   llama.cpp blocks [O, I/32 * 34]                          34/32 * I*O
+    q4_0   llama.cpp blocks [O, I/32 * 18]                          18/32 * I*O
+    q4_1   llama.cpp blocks [O, I/32 * 20]                          20/32 * I*O
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from cs336_inference.quantization import ggml_blocks
+from cs336_inference.quantization.absmax import absmax_dequantize, absmax_quantize
+from cs336_inference.quantization.int4 import check_group_size, int4_dequantize, int4_quantize
+
+
+@dataclass(frozen=True)
+class Format:
+    """How one format stores a weight: quantize(w, group_size) -> named tensors, dequantize(**tensors) -> w.
+
+    Every stored tensor has the weight's rows as its first dimension, so the rows of a quantized
+    matrix can be gathered without dequantizing the rest (what an embedding lookup needs).
+    """
+
+    name: str
+    quantize: Callable[[Tensor, int | None], dict[str, Tensor]]
+    dequantize: Callable[..., Tensor]
+    default_group_size: int | None  # None: not group-wise (per row, or fixed llama.cpp blocks)
+
+    def nbytes(self, d_out: int, d_in: int, group_size: int | None) -> int:
+        """The formula for the bytes of one [d_out, d_in] weight (biases not included)."""
+        if self.name == "int8":
+            return d_out * d_in + 4 * d_out
+        if self.name == "int4":
+            return d_out * d_in // 2 + 3 * d_out * (d_in // group_size)
+        return d_out * d_in // ggml_blocks.QK * ggml_blocks.BLOCK_BYTES[self.name]
+
+
+def _int8(w: Tensor, group_size: int | None) -> dict[str, Tensor]:
+    q, scale = absmax_quantize(w)
+    return {"qweight": q, "scale": scale}
+
+
+def _int4(w: Tensor, group_size: int | None) -> dict[str, Tensor]:
+    packed, scale, zero = int4_quantize(w, group_size)
+    return {"qweight": packed, "scale": scale, "zero": zero}
+
+
+def _block(fmt: str) -> tuple[Callable[[Tensor, int | None], dict[str, Tensor]], Callable[..., Tensor]]:
+    quantize, dequantize = getattr(ggml_blocks, f"{fmt}_quantize"), getattr(ggml_blocks, f"{fmt}_dequantize")
+    return (lambda w, group_size: {"qweight": quantize(w)}), (lambda qweight: dequantize(qweight))
+
+
+FORMATS: dict[str, Format] = {
+    "int8": Format("int8", _int8, lambda qweight, scale: absmax_dequantize(qweight, scale), None),
+    "int4": Format("int4", _int4, lambda qweight, scale, zero: int4_dequantize(qweight, scale, zero), 64),
+    **{fmt: Format(fmt, *_block(fmt), None) for fmt in ("q8_0", "q4_0", "q4_1")},
+}
+
+# Fast paths: format name -> kernel(layer, x) returning y, or None to fall back to the reference.
+KERNELS: dict[str, Callable[[QuantizedLinear, Tensor], Tensor | None]] = {}
+
+
+def check_format(fmt: str, d_in: int, group_size: int | None) -> int | None:
+    """The group size this format uses for rows of d_in numbers; a one-line error if it cannot."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantized format {fmt!r}; known: {', '.join(FORMATS)}")
+    if FORMATS[fmt].default_group_size is None:
+        if group_size is not None and not (fmt.startswith("q") and group_size == ggml_blocks.QK):
+            where = f"blocks of {ggml_blocks.QK}" if fmt.startswith("q") else "one scale per row"
+            raise ValueError(f"{fmt} has a fixed layout ({where}); group_size={group_size} does not apply")
+        if fmt.startswith("q"):
+            ggml_blocks.check_block_rows(d_in, fmt)
+        return None
+    group_size = FORMATS[fmt].default_group_size if group_size is None else group_size
+    check_group_size(d_in, group_size)
+    return group_size
+
+
+class QuantizedLinear(nn.Module):
+    """y = x dequantize(stored)^T + b, with the stored tensors as (persistent) buffers."""
+
+    def __init__(
+        self,
+        fmt: str,
+        d_in: int,
+        d_out: int,
+        stored: dict[str, Tensor],
+        group_size: int | None = None,
+        bias: Tensor | None = None,
+    ):
+        super().__init__()
+        self.fmt, self.d_in, self.d_out, self.group_size = fmt, d_in, d_out, group_size
+        self.stored_names = tuple(stored)
+        for name, t in stored.items():
+            self.register_buffer(name, t.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_weight(
+        cls, weight: Float[Tensor, "O I"], fmt: str, group_size: int | None = None, bias: Tensor | None = None
+    ) -> QuantizedLinear:
+        d_out, d_in = weight.shape
+        group_size = check_format(fmt, d_in, group_size)
+        with torch.no_grad():
+            stored = FORMATS[fmt].quantize(weight.detach(), group_size)
+        return cls(fmt, d_in, d_out, stored, group_size, bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, fmt: str, group_size: int | None = None) -> QuantizedLinear:
+        return cls.from_weight(linear.weight, fmt, group_size, getattr(linear, "bias", None))
+
+    def stored(self) -> dict[str, Tensor]:
+        return {name: getattr(self, name) for name in self.stored_names}
+
+    def dequantize(self, rows: Int[Tensor, "..."] | None = None) -> Float[Tensor, "O I"]:
+        """The float32 weight (or only the given rows of it: [..., I])."""
+        stored = self.stored()
+        if rows is None:
+            return FORMATS[self.fmt].dequantize(**stored)
+        flat = rows.reshape(-1)
+        w = FORMATS[self.fmt].dequantize(**{name: t[flat] for name, t in stored.items()})
+        return w.reshape(*rows.shape, self.d_in)
+
+    @property
+    def weight(self) -> Float[Tensor, "O I"]:
+        """The dequantized weight, for code that reads `.weight` (e.g. MLA's weight absorption)."""
+        return self.dequantize()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of what is stored (bias included)."""
+        tensors = [*self.stored().values(), *([] if self.bias is None else [self.bias])]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _fast_forward(self, x: Tensor) -> Tensor | None:
+        kernel = KERNELS.get(self.fmt)
+        return None if kernel is None else kernel(self, x)
+
+    def forward(self, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"]:
+        y = self._fast_forward(x)
+        if y is not None:
+            return y
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantize().to(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.group_size else ""
+        return f"{self.fmt}, d_in={self.d_in}, d_out={self.d_out}{group}, bias={self.bias is not None}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table stored quantized: a lookup dequantizes only the rows it reads.
+
+    With tied embeddings the same table is the output matrix; `weight` dequantizes all of it.
+    """
+
+    def __init__(self, table: QuantizedLinear):
+        super().__init__()
+        self.table = table
+
+    @property
+    def weight(self) -> Float[Tensor, "V D"]:
+        return self.table.dequantize()
+
+    def forward(self, ids: Int[Tensor, "B T"]) -> Float[Tensor, "B T D"]:
+        return self.table.dequantize(rows=ids)

@@ -1,0 +1,129 @@
+"""quantize_model: a quantized copy of a float TransformerLM; model_nbytes: what its weights occupy.
+
+Methods (every linear layer inside the transformer blocks is replaced by a QuantizedLinear):
+
+    int8       absmax int8, one scale per output channel; forward dequantizes (weight-only)
+    int4       asymmetric group-wise int4 (group_size 64 by default), zero points, packed
+    q8_0, q4_0, q4_1   llama.cpp's blocks of 32 (byte-identical to llama.cpp's own quantizer)
+    llm_int8   int8 weights; forward is LLM.int8(): int8 x int8 matmul, outlier features in float
+    w8a8       the same without the decomposition (threshold = inf): plain vector-wise int8 of
+               weights *and* activations, LLM.int8()'s negative control
+    awq        AWQ scales (calibration token ids needed) folded in, then group-wise int4
+
+The embedding and the output head stay float by default (quantize_head=True quantizes them in the
+same format; llm_int8 / w8a8 then store the head as int8, awq as round-to-nearest int4). Why float: the
+embedding is a lookup, so a decode step reads T rows of it, not the table; and the output head is
+the most sensitive matrix (its errors go straight into the logits, and there is no later layer to
+average them out), which is why LLM.int8(), AWQ and GPTQ implementations all leave it out. The
+cost is bytes: in SmolLM2-135M the tied 49152 x 576 table is 21% of the parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from jaxtyping import Int
+from torch import Tensor, nn
+
+from cs336_inference.layers import Embedding, Linear
+from cs336_inference.quantization.awq import awq_fold
+from cs336_inference.quantization.linear import QuantizedEmbedding, QuantizedLinear, check_format
+from cs336_inference.quantization.llm_int8 import DEFAULT_THRESHOLD, LLMInt8Linear
+
+METHODS = ("int8", "int4", "q8_0", "q4_0", "q4_1", "llm_int8", "w8a8", "awq")
+STORAGE = {"llm_int8": "int8", "w8a8": "int8", "awq": "int4"}  # the stored format of each method
+
+
+def quantized_layers(model: nn.Module) -> dict[str, QuantizedLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+def _block_linears(model: nn.Module) -> list[tuple[nn.Module, str, Linear, str]]:
+    """(parent, attribute, linear, full name) for every Linear inside the transformer blocks."""
+    out = []
+    for parent_name, parent in model.layers.named_modules(prefix="layers"):
+        for attr, child in parent.named_children():
+            if isinstance(child, Linear):
+                out.append((parent, attr, child, f"{parent_name}.{attr}"))
+    return out
+
+
+def quantize_model(
+    model: nn.Module,
+    method: str,
+    group_size: int | None = None,
+    calibration: Int[Tensor, "B T"] | None = None,
+    quantize_head: bool = False,
+    threshold: float = DEFAULT_THRESHOLD,
+) -> nn.Module:
+    """A new model with the block linears quantized by `method`; `model` is left untouched.
+
+    group_size: int4 / awq (default 64; must divide every quantized row width). The llama.cpp
+    formats have fixed blocks of 32 and int8 / llm_int8 one scale per row: any other group_size
+    is an error. calibration: token ids [B, T] for awq (e.g. a few hundred tokens of text).
+    threshold: the outlier threshold of llm_int8.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization method {method!r}; known: {', '.join(METHODS)}")
+    already = quantized_layers(model)
+    if already:
+        name, layer = next(iter(already.items()))
+        raise ValueError(
+            f"the model is already quantized ({name} is {layer.fmt}); quantize the float model instead"
+        )
+    fmt = STORAGE.get(method, method)
+    linears = _block_linears(model)
+    head = [] if not quantize_head else [model.vocab_weight]
+    for _, _, lin, name in linears:
+        try:
+            group_size_used = check_format(fmt, lin.weight.shape[1], group_size)
+        except ValueError as e:
+            raise ValueError(f"{method}: {e} ({name})") from None
+    for w in head:
+        check_format(fmt, w.shape[1], group_size)
+    if method == "awq":
+        if calibration is None:
+            raise ValueError("awq needs calibration token ids [B, T] (calibration=...)")
+        calibration = torch.as_tensor(calibration, dtype=torch.long)
+        if calibration.ndim == 1:
+            calibration = calibration[None]
+        new, _ = awq_fold(model, calibration.to(model.embed.weight.device), group_size_used)
+    elif calibration is not None:
+        raise ValueError(f"{method} takes no calibration data (only awq does)")
+    else:
+        new = copy.deepcopy(model)
+    for parent, attr, lin, _ in _block_linears(new):
+        if method in ("llm_int8", "w8a8"):
+            layer = LLMInt8Linear.from_linear(lin, threshold=threshold if method == "llm_int8" else math.inf)
+        else:
+            layer = QuantizedLinear.from_linear(lin, fmt, group_size)
+        setattr(parent, attr, layer.to(lin.weight.device))
+    if quantize_head:
+        _quantize_vocab(new, fmt, group_size)
+    return new.eval()
+
+
+def _quantize_vocab(model: nn.Module, fmt: str, group_size: int | None) -> None:
+    device = model.embed.weight.device
+    table = QuantizedLinear.from_weight(model.embed.weight, fmt, group_size).to(device)
+    model.embed = QuantizedEmbedding(table)
+    if model.lm_head is not None:
+        model.lm_head = QuantizedLinear.from_linear(model.lm_head, fmt, group_size).to(device)
+
+
+def model_nbytes(model: nn.Module) -> int:
+    """Bytes of every weight the model stores: parameters and persistent buffers, shared ones once
+    (a tied embedding / output matrix counts once; the rotary tables are not weights)."""
+    seen, total = set(), 0
+    for t in model.state_dict().values():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape))
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def is_float_model(model: nn.Module) -> bool:
+    return not quantized_layers(model) and isinstance(model.embed, Embedding)
