@@ -133,26 +133,41 @@ def mlp_intensity(cfg: ModelConfig, B: int, T: int, dtype_bytes: int = 2) -> flo
 
 
 def attention_flops(cfg: ModelConfig, B: int, T: int, S: int) -> int:
-    """FLOPs of one layer's attention core (T queries against S keys, per sequence): 4BSTD.
+    """FLOPs of one layer's attention core (T queries against S keys, per sequence): 4BSTD for MHA.
 
-    Scores Q K^T and the weighted sum A V each cost 2*B*S*T*(N*H); with N*H = D that is the
-    lecture's 4BSTD. (The Q/K/V/O projections are matmuls, counted by `matmul_flops`.)
+    Returns scores + weighted sum: Q K^T costs 2*B*S*T*N*H_qk and A V costs 2*B*S*T*N*H_v, where
+    H_qk is the query/key head dim and H_v the value head dim. MHA/GQA/MQA: both are H, and with
+    N*H = D that is the lecture's 4BSTD. MLA (on its up-projected path): H_qk =
+    qk_nope_head_dim + qk_rope_head_dim, H_v = v_head_dim. (The Q/K/V/O projections are matmuls,
+    counted by `matmul_flops`.)
     """
     # BEGIN SOLUTION mlp_attention_accounting
-    return 2 * 2 * B * S * T * cfg.n_heads * cfg.head_dim
+    N = cfg.n_heads
+    if cfg.is_mla:
+        H_qk, H_v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    else:
+        H_qk = H_v = cfg.head_dim
+    scores, weighted_sum = 2 * B * S * T * N * H_qk, 2 * B * S * T * N * H_v
+    return scores + weighted_sum
     # END SOLUTION
 
 
 def attention_bytes(cfg: ModelConfig, B: int, T: int, S: int, dtype_bytes: int = 2) -> int:
     """Bytes of one layer's attention core with a fused (FlashAttention-style) kernel.
 
-    Read Q [B, T, N*H] and K, V [B, S, K*H]; write Y [B, T, N*H]. For MHA (K*H = N*H = D) this is
-    the lecture's 4BSD + 4BTD (bf16). With GQA the K/V reads shrink by N/K.
+    Returns the bytes of reading Q [B, T, N*H] and K, V [B, S, K*H] once and writing Y [B, T, N*H]
+    once. For MHA (K*H = N*H = D) this is the lecture's 4BSD + 4BTD (bf16). With GQA the K/V reads
+    shrink by N/K. MLA (up-projected path, K = N heads): Q and K have H_qk = qk_nope_head_dim +
+    qk_rope_head_dim per head, V and Y have H_v = v_head_dim.
     """
     # BEGIN SOLUTION mlp_attention_accounting
-    q_width, kv_width = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    read_q, read_kv, write_y = B * T * q_width, 2 * B * S * kv_width, B * T * q_width
-    return dtype_bytes * (read_q + read_kv + write_y)
+    N, K = cfg.n_heads, cfg.n_kv_heads
+    if cfg.is_mla:
+        K, H_qk, H_v = N, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    else:
+        H_qk = H_v = cfg.head_dim
+    read_q, read_k, read_v, write_y = B * T * N * H_qk, B * S * K * H_qk, B * S * K * H_v, B * T * N * H_v
+    return dtype_bytes * (read_q + read_k + read_v + write_y)
     # END SOLUTION
 
 
@@ -307,13 +322,17 @@ def forward_flops(cfg: ModelConfig, B: int, T: int, S: int) -> int:
 
     2 FLOPs per weight per token for every matrix (all linears and the unembedding; the input
     embedding is a lookup), plus every layer's attention core over min(S, W) keys. MLA is counted
-    on its up-projected (non-absorbed) path.
+    on its up-projected (non-absorbed) path: the up projection W_UKV (kv_lora_rank x N(nope + v))
+    runs on all S cached latents, not only the T new tokens.
     """
     matrices = num_params(cfg) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
     attention = 0
     for layer in range(cfg.n_layers):
         window = cfg.layer_window(layer)
         attention += attention_flops(cfg, B, T, S if window is None else min(S, window))
+    if cfg.is_mla:  # the up projection of the S - T latents that were cached before this pass
+        up = cfg.kv_lora_rank * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        attention += cfg.n_layers * 2 * B * (S - T) * up
     return 2 * B * T * matrices + attention
 
 

@@ -46,14 +46,18 @@ StepFn = Callable[[Float[Tensor, "B V"]], Int[Tensor, " B"]]
 
 # ------------------------------------------------------------------ logits processing
 def apply_temperature(logits: Float[Tensor, "B V"], temperature: float) -> Float[Tensor, "B V"]:
-    """Divide the logits by T > 0: softmax(logits / T) is the distribution we sample from."""
+    """Return logits / T for T > 0 (a new tensor): softmax(logits / T) is the distribution we sample from."""
     # BEGIN SOLUTION sampling
     return logits / temperature
     # END SOLUTION
 
 
 def top_k_filter(logits: Float[Tensor, "B V"], k: int) -> Float[Tensor, "B V"]:
-    """Keep the k largest logits of each row, set the others to -inf (k >= V keeps everything)."""
+    """Return the logits with all but the k largest of each row set to -inf.
+
+    Kept logits keep their values; k >= V keeps everything. Exactly min(k, V) entries per row stay
+    finite: among logits tied at the k-th value, keep any of them, but only as many as needed.
+    """
     # BEGIN SOLUTION sampling
     if k >= logits.shape[-1]:
         return logits
@@ -63,10 +67,12 @@ def top_k_filter(logits: Float[Tensor, "B V"], k: int) -> Float[Tensor, "B V"]:
 
 
 def top_p_filter(logits: Float[Tensor, "B V"], p: float) -> Float[Tensor, "B V"]:
-    """Nucleus filter: keep the smallest set of most likely tokens whose probability mass reaches p.
+    """Nucleus filter: return the logits with every token outside the nucleus set to -inf.
 
-    A token is kept iff the mass of the tokens ranked strictly above it is still below p, so the
-    most likely token is always kept and the token that makes the mass reach p is kept too.
+    The nucleus of a row is the smallest set of most likely tokens whose probability mass
+    (softmax of this row's logits) reaches p. A token is kept iff the mass of the tokens ranked
+    strictly above it is still below p, so the most likely token is always kept and the token that
+    makes the mass reach p is kept too. Kept logits keep their values; each row is filtered alone.
     """
     # BEGIN SOLUTION sampling
     probs = logits.float().softmax(dim=-1)
@@ -85,7 +91,12 @@ def sample_next_token(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> Int[Tensor, " B"]:
-    """One token per row: greedy (argmax) when temperature == 0, else temperature, top-k, top-p, sample."""
+    """Return one sampled token id per row (LongTensor [B]).
+
+    temperature == 0 is greedy (argmax). Otherwise, in this order: divide by the temperature, keep
+    the top-k (if top_k is given), keep the top-p nucleus of what is left (if top_p < 1), then draw
+    one token from the softmax with `generator` (so a seeded generator reproduces the draws).
+    """
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     # BEGIN SOLUTION sampling
