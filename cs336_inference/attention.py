@@ -160,11 +160,20 @@ class Attention(nn.Module):
                 steps = ctx.q_steps
             ctx.kv[self.layer] = (k, v, steps)
         else:
-            # BEGIN SOLUTION cla
-            k, v, steps = ctx.kv[self.owner]
-            # END SOLUTION
+            k, v, steps = self.borrowed_kv(ctx)
         out = attend(q, k, v, ctx.mask(steps, self.window, store), self.scale)
         return self.o_proj(rearrange(out, "b n t h -> b t (n h)"))
+
+    def borrowed_kv(
+        self, ctx: ForwardContext
+    ) -> tuple[Float[Tensor, "B K S H"], Float[Tensor, "B K S H"], Int[Tensor, " S"]]:
+        """CLA: the (k, v, steps) that the first layer of this layer's group (`self.owner`, i.e.
+        `cfg.kv_owner(layer)`) stored in `ctx.kv` earlier in this forward pass. A borrowing layer has
+        no K/V projections and no cache of its own; it attends over exactly what its owner attends."""
+        # BEGIN SOLUTION cla
+        k, v, steps = ctx.kv[self.owner]
+        return k, v, steps
+        # END SOLUTION
 
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek normalizes its latents with a fixed eps, not config.rms_norm_eps

@@ -508,3 +508,24 @@ def test_reference_earns_every_point_and_the_handout_none(tmp_path):
     ]
     assert not problems, "\n".join(problems)
     assert handout.score == 0
+
+
+def test_handout_order_lets_each_problem_pass_locally():
+    """A problem's tests call only problems above it in the handout, or one that in turn calls it (the
+    two are then done together), so a student working top to bottom can run each problem's tests."""
+    problems = rubric_mod.load(REPO)["problems"]
+    order = list(problems)
+    late = [
+        f"{name} needs {need}, which comes later and does not need {name}"
+        for name, entry in problems.items()
+        for need in entry["needs"]
+        if order.index(need) > order.index(name) and name not in problems[need]["needs"]
+    ]
+    assert not late, "reorder assignments/handout.md: " + "; ".join(late)
+
+
+def test_every_problem_section_has_its_deliverable_command():
+    text = (REPO / rubric_mod.HANDOUT).read_text()
+    for name in rubric_mod.load(REPO)["problems"]:
+        section = text.split(f"### Problem ({name})", 1)[1].split("\n### ", 1)[0]
+        assert f"python -m pytest --problem {name}`" in section, f"the {name} section lacks its deliverable"

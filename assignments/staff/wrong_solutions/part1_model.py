@@ -278,7 +278,7 @@ WRONG = [
         mistake="borrows k and v but takes the query steps as key steps (wrong once a cache holds more)",
         file=ATTENTION,
         find="k, v, steps = ctx.kv[self.owner]",
-        replace="k, v, _ = ctx.kv[self.owner]\n            steps = ctx.q_steps",
+        replace="k, v, _ = ctx.kv[self.owner]\n        steps = ctx.q_steps",
     ),
     # ----------------------------------------------------------------------------------------- mla
     dict(
