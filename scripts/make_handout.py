@@ -31,6 +31,7 @@ STAFF_ONLY = (
     ".ci/",  # the staff repository's CI
     "scripts/make_handout.py",
     "scripts/check_tests.py",  # the wrong-solution catalog and its runner
+    "cs336_grading/catalog.py",
     "tests/test_catalog.py",
     "scripts/make_reference_outputs.py",
     "tests/test_handout.py",

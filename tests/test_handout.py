@@ -4,6 +4,7 @@ and every handout failure is its own problem's."""
 
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -529,3 +530,24 @@ def test_every_problem_section_has_its_deliverable_command():
     for name in rubric_mod.load(REPO)["problems"]:
         section = text.split(f"### Problem ({name})", 1)[1].split("\n### ", 1)[0]
         assert f"python -m pytest --problem {name}`" in section, f"the {name} section lacks its deliverable"
+
+
+MENTION = re.compile(
+    r"\b((?:scripts|tests|assignments|cs336_inference|cs336_grading|reference_weights|\.ci)/[\w./-]*\w)"
+)
+
+
+def test_the_handout_mentions_only_what_it_ships(tmp_path):
+    """No file of the student repo names a path the student repo does not have (staff scripts, CI)."""
+    out = tmp_path / "handout"
+    make_handout.make_handout(REPO, out)
+    missing = []
+    for path in out.rglob("*"):
+        if path.suffix not in (".md", ".py", ".toml", ".ipynb", ".json") or "reference_weights" in path.parts:
+            continue
+        for name in MENTION.findall(path.read_text(encoding="utf-8", errors="replace")):
+            if not (out / name).exists() and not any(out.glob(name)):
+                missing.append(f"{path.relative_to(out)} names {name}")
+    assert not missing, "\n".join(sorted(set(missing)))
+    readme = (out / "README.md").read_text()
+    assert readme.startswith("# CS336 Assignment") and "python -m pytest --problem" in readme

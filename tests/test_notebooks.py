@@ -1,5 +1,5 @@
 """assignments/: the walkthrough notebooks (stored without outputs, each runs top to bottom).
-(The handout's points against the graded tests: tests/test_handout.py::test_rubric_is_current.)
+(The handout's points against the graded tests are checked with the rubric, by the staff tests.)
 
 The .ipynb files are the source: edit them in Jupyter, then clear all outputs before committing
 (Edit > Clear Outputs of All Cells, or `jupyter nbconvert --clear-output --inplace <notebook>`).
