@@ -1,0 +1,401 @@
+"""Speculative decoding: a cheap draft proposes k tokens, the target checks them in one pass.
+
+Notation of the lecture: p is the draft's distribution, q the target's. One round, with the target's
+cache holding every token of the context except the newest one:
+
+    draft      propose x_1 .. x_k with their distributions p_1 .. p_k (a model draft samples them from
+               its own p; prompt lookup copies them from the context, p one-hot)
+    verify     ONE target forward over [newest, x_1, .., x_k] (k + 1 positions, prefill-like) gives
+               q_1 .. q_{k+1}: q_i is the target's distribution for the token at x_i's place
+    accept     x_i is accepted with probability min(1, q_i(x_i) / p_i(x_i)), in order; at the first
+               rejection the round emits one token from the residual max(q_i - p_i, 0) normalised and
+               stops; if all k are accepted it emits a bonus token from q_{k+1}
+    roll back  the target's cache forgets the rejected positions (`KVCache.truncate`)
+
+Each round emits between 1 and k + 1 tokens for one target pass, and every emitted token is an exact
+sample of the target's distribution (the residual is exactly the probability mass the accept step
+under-covers). Temperature, top-k and top-p are applied to both p and q, so the output follows the
+target's *sampling* distribution; at temperature 0 both are one-hot at the argmax, so a draft token is
+accepted iff it is the target's argmax and the output is exactly greedy decoding.
+
+Batch size 1 only (rows of a batch would accept different numbers of tokens).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from .kv_cache import KVCache, RingKVCache
+from .model import TransformerLM
+from .sampling import apply_temperature, as_prompt_list, check_sampling_args, top_k_filter, top_p_filter
+
+
+# ------------------------------------------------------------------ distributions
+def sampling_probs(
+    logits: Float[Tensor, "... V"], temperature: float, top_k: int | None = None, top_p: float | None = None
+) -> Float[Tensor, "... V"]:
+    """The distribution `sample_next_token` draws from, as float32 probabilities.
+
+    temperature 0: one-hot at the argmax (greedy); otherwise softmax after temperature, top-k, top-p.
+    """
+    shape = logits.shape
+    logits = logits.reshape(-1, shape[-1]).float()
+    if temperature == 0.0:
+        probs = F.one_hot(logits.argmax(dim=-1), shape[-1]).float()
+    else:
+        logits = apply_temperature(logits, temperature)
+        if top_k is not None:
+            logits = top_k_filter(logits, top_k)
+        if top_p is not None and top_p < 1.0:
+            logits = top_p_filter(logits, top_p)
+        probs = logits.softmax(dim=-1)
+    return probs.reshape(shape)
+
+
+# ------------------------------------------------------------------ the accept / resample step
+def accept_resample(
+    p: Float[Tensor, "B k V"],
+    q: Float[Tensor, "B k+1 V"],
+    draft_tokens: Int[Tensor, "B k"],
+    generator: torch.Generator | None = None,
+) -> tuple[Int[Tensor, " B"], Int[Tensor, " B"]]:
+    """Modified rejection sampling for B independent rounds at once; returns (n_accepted, next_token).
+
+    p[b, i] is the distribution draft token draft_tokens[b, i] was drawn from, q[b, i] the target's
+    distribution at that place, q[b, k] the target's distribution after all k drafts. Row b accepts
+    drafts 0 .. n_accepted[b] - 1: draft i is accepted with probability min(1, q(x)/p(x)), and only if
+    every earlier draft was. next_token[b] is drawn from max(q[b, n] - p[b, n], 0) normalised when
+    draft n = n_accepted[b] was rejected, or from q[b, k] (the bonus token) when all k were accepted.
+    Uses exactly one uniform per draft and one multinomial draw per row from `generator`.
+    """
+    # BEGIN SOLUTION speculative_step
+    B, k, V = p.shape
+    x = draft_tokens[..., None]
+    p_x = p.gather(-1, x)[..., 0]  # [B, k]
+    q_x = q[:, :k].gather(-1, x)[..., 0]
+    u = torch.rand(B, k, generator=generator, device=p.device)
+    accepted = u < torch.clamp(q_x / p_x, max=1.0)
+    n_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # length of the leading run of accepts
+    residual = (q[:, :k] - p).clamp(min=0.0)
+    candidates = torch.cat([residual, q[:, k:]], dim=1)  # row k: the bonus distribution
+    rows = torch.arange(B, device=p.device)
+    dist = candidates[rows, n_accepted]
+    empty = dist.sum(dim=-1, keepdim=True) <= 0  # rejected although q = p (rounding): q itself is right
+    dist = torch.where(empty, q[rows, n_accepted], dist)
+    next_token = torch.multinomial(dist, num_samples=1, generator=generator)[:, 0]
+    return n_accepted, next_token
+    # END SOLUTION
+
+
+# ------------------------------------------------------------------ verify (one target pass)
+def verify_drafts(
+    target: TransformerLM,
+    cache: KVCache,
+    last_token: Int[Tensor, " 1"],
+    draft_tokens: Int[Tensor, " k"],
+    draft_probs: Float[Tensor, "k V"],
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Int[Tensor, " n"]:
+    """One round's target pass: returns the n = n_accepted + 1 tokens the round emits.
+
+    `cache` holds every token of the context but the newest, `last_token`. Runs the target once on
+    [last_token, draft_tokens] (k + 1 positions) with the cache, turns the logits into q with the
+    sampling settings (`sampling_probs`), accepts / resamples with `accept_resample`, and truncates
+    the cache so that it holds the context, last_token and the accepted drafts, nothing else.
+    """
+    # BEGIN SOLUTION speculative_verify
+    k = draft_tokens.shape[0]
+    ids = torch.cat([last_token, draft_tokens])[None]  # [1, k + 1]
+    logits = target(ids, cache=cache)[0]  # [k + 1, V]: logits[i] predicts the token at draft i's place
+    q = sampling_probs(logits, temperature, top_k, top_p)
+    n, token = accept_resample(draft_probs[None], q[None], draft_tokens[None], generator)
+    n = int(n[0])
+    cache.truncate(cache.pos - (k - n))  # forget the k - n rejected drafts
+    return torch.cat([draft_tokens[:n], token])
+    # END SOLUTION
+
+
+# ------------------------------------------------------------------ drafts
+@dataclass
+class Sampling:
+    """Sampling settings shared by draft and target (p and q must be the distributions sampled)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+
+
+class Draft(Protocol):
+    """What speculative_generate needs from a draft."""
+
+    def reset(self, capacity: int, k: int) -> None:
+        """Forget everything; the next context has at most `capacity` tokens, rounds draft <= k."""
+
+    def propose(
+        self, context: Int[Tensor, " S"], k: int, sampling: Sampling
+    ) -> tuple[Int[Tensor, " k2"], Float[Tensor, "k2 V"] | None]:
+        """Up to k tokens to follow `context`, and the distributions they were drawn from.
+
+        None instead of the distributions means deterministic proposals (p one-hot at each token).
+        """
+
+
+def prompt_lookup(context: Sequence[int], k: int, n_max: int = 3, n_min: int = 1) -> list[int]:
+    """Prompt lookup: the up to k tokens that followed the latest earlier occurrence of the context's tail.
+
+    For n = n_max down to n_min: the pattern is the last n tokens of the context; find its latest
+    occurrence that starts before the tail itself (start <= len(context) - n - 1) and return the
+    (at most k) tokens that follow that occurrence in the context. The longest n with a match wins;
+    no match for any n gives [].
+    """
+    # BEGIN SOLUTION prompt_lookup
+    S = len(context)
+    for n in range(min(n_max, S - 1), n_min - 1, -1):
+        pattern = list(context[S - n :])
+        for start in range(S - n - 1, -1, -1):  # latest first; never the tail itself
+            if list(context[start : start + n]) == pattern:
+                return list(context[start + n : start + n + k])
+    return []
+    # END SOLUTION
+
+
+class NGramDraft:
+    """Prompt-lookup draft (no model): copies what followed the tail's latest earlier occurrence.
+
+    Shines when the output repeats the prompt (rewriting, extracting, editing code); costs no forward.
+    """
+
+    def __init__(self, n_max: int = 3, n_min: int = 1):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"NGramDraft needs 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+        self.n_max, self.n_min = n_max, n_min
+
+    def reset(self, capacity: int, k: int) -> None:
+        pass
+
+    def propose(self, context: Int[Tensor, " S"], k: int, sampling: Sampling) -> tuple[Tensor, None]:
+        tokens = prompt_lookup(context.tolist(), k, self.n_max, self.n_min)
+        return torch.tensor(tokens, dtype=torch.long, device=context.device), None
+
+
+class ModelDraft:
+    """A TransformerLM as the draft, with its own KV cache that it rolls back to the accepted context.
+
+    Its cache holds the tokens it has fed (the context of its last call plus its own drafts but the
+    last); a call keeps the common prefix with the new context, truncates the rest and feeds the
+    missing tokens (one forward), then samples k tokens with k - 1 one-token forwards.
+    """
+
+    def __init__(self, model: TransformerLM):
+        self.model = model
+        self.cache: KVCache | None = None
+        self.fed: Tensor | None = None  # the tokens the cache holds
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def reset(self, capacity: int, k: int) -> None:
+        self.cache = self.model.new_cache(1, capacity, spare=k + 1)
+        self.fed = torch.empty(0, dtype=torch.long, device=self.model.embed.weight.device)
+
+    @torch.inference_mode()
+    def propose(self, context: Int[Tensor, " S"], k: int, sampling: Sampling) -> tuple[Tensor, Tensor]:
+        cache, fed = self.cache, self.fed
+        n = min(len(fed), len(context) - 1)  # feed at least the newest token
+        same = (fed[:n] == context[:n]).long().cumprod(dim=0).sum()
+        keep = int(same)
+        cache.truncate(keep)
+        new = context[keep:]
+        tokens, probs = [], []
+        for i in range(k):
+            logits = self.model(new[None], cache=cache, last_only=True)[0, -1]
+            p = sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+            token = torch.multinomial(p[None], 1, generator=sampling.generator)[0]
+            tokens.append(token)
+            probs.append(p)
+            if i + 1 < k:
+                new = token
+        self.fed = torch.cat([context] + tokens[:-1])
+        return torch.cat(tokens), torch.stack(probs)
+
+
+def as_draft(draft) -> Draft:
+    """A TransformerLM becomes a ModelDraft; "ngram" an NGramDraft; anything with propose/reset stays."""
+    if isinstance(draft, TransformerLM):
+        return ModelDraft(draft)
+    if isinstance(draft, str) and draft == "ngram":
+        return NGramDraft()
+    if hasattr(draft, "propose") and hasattr(draft, "reset"):
+        return draft
+    raise ValueError(f"draft must be a TransformerLM, 'ngram' or an object with propose/reset, got {draft!r}")
+
+
+# ------------------------------------------------------------------ the loop
+@dataclass
+class SpeculativeStats:
+    """Counts of one speculative_generate call.
+
+    alpha = accepted / (accepted + rejected): the probability that a draft token the target examined
+    was accepted (drafts after a rejection are never examined). This is the alpha of the formula
+    tokens per pass = (1 - alpha^(k+1)) / (1 - alpha). `drafted` counts every proposed token.
+    """
+
+    k: int
+    new_tokens: int = 0
+    target_passes: int = 0  # verify passes (the prompt's prefill is not counted: it emits no token)
+    drafted: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    caches: dict = field(default_factory=dict, repr=False)  # for tests: {"target": KVCache, ...}
+
+    @property
+    def alpha(self) -> float:
+        examined = self.accepted + self.rejected
+        return self.accepted / examined if examined else float("nan")
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.new_tokens / self.target_passes if self.target_passes else float("nan")
+
+    def as_dict(self) -> dict:
+        d = {key: value for key, value in asdict(self).items() if key != "caches"}
+        return {**d, "alpha": self.alpha, "tokens_per_pass": self.tokens_per_pass}
+
+
+def check_rollback(cache: KVCache, k: int) -> None:
+    """ValueError unless every sliding-window ring of `cache` can roll back k steps (spare >= k)."""
+    for store in cache.layers:
+        if isinstance(store, RingKVCache) and store.slots - store.window < k:
+            raise ValueError(
+                f"a sliding-window cache with {store.slots - store.window} spare slots cannot roll back "
+                f"k={k} drafted tokens: allocate it with model.new_cache(..., spare={k})"
+            )
+
+
+def _check_args(target, draft, prompt_ids, max_new_tokens, k, temperature, top_k, top_p) -> Tensor:
+    check_sampling_args(temperature, top_k, top_p, max_new_tokens)
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise ValueError(f"k (drafted tokens per round) must be an integer >= 1, got {k!r}")
+    if not isinstance(target, TransformerLM):
+        raise ValueError(f"target must be a TransformerLM, got {type(target).__name__}")
+    prompts, single = as_prompt_list(prompt_ids)
+    if not single:
+        raise ValueError("speculative_generate supports batch size 1 only: pass one prompt (1-D)")
+    ids = prompts[0].to(target.embed.weight.device)
+    cfg = target.config
+    if ids.numel() == 0:
+        raise ValueError("the prompt needs at least one token")
+    if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+        raise ValueError(
+            f"prompt token ids must be in [0, {cfg.vocab_size}), got {int(ids.min())}..{int(ids.max())}"
+        )
+    P = len(ids)
+    if P + k > cfg.max_seq_len:
+        raise ValueError(
+            f"prompt ({P} tokens) + k ({k} drafted tokens) exceeds the context window of {cfg.max_seq_len} tokens"
+        )
+    if P + max_new_tokens > cfg.max_seq_len:
+        raise ValueError(
+            f"prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context window "
+            f"of {cfg.max_seq_len} tokens"
+        )
+    if isinstance(draft, TransformerLM):
+        dcfg = draft.config
+        if dcfg.vocab_size != cfg.vocab_size:
+            raise ValueError(
+                f"the draft's vocabulary ({dcfg.vocab_size} tokens) differs from the target's ({cfg.vocab_size})"
+            )
+        if P + max_new_tokens > dcfg.max_seq_len:
+            raise ValueError(
+                f"prompt ({P}) + max_new_tokens ({max_new_tokens}) exceeds the draft's context window "
+                f"of {dcfg.max_seq_len} tokens"
+            )
+    return ids
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: TransformerLM,
+    draft,
+    prompt_ids: Tensor | Sequence[int],
+    max_new_tokens: int = 64,
+    k: int = 4,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    return_stats: bool = False,
+):
+    """Generate up to max_new_tokens tokens of one prompt from `target`, drafting k tokens per round.
+
+    draft: a TransformerLM with the target's vocabulary, "ngram" / an NGramDraft (prompt lookup), or any
+    object with the `Draft` methods. The output is an exact sample of what `generate(target, ...)`
+    samples with the same settings (and identical to it at temperature 0); only the number of target
+    passes changes. Returns a 1-D LongTensor of new tokens (a stop token, by default the config's EOS
+    ids, ends it and is kept), and with return_stats=True also a SpeculativeStats.
+    Raises ValueError for k < 1, a draft with another vocabulary, a batch, or a prompt + k or prompt +
+    max_new_tokens past the context window.
+    """
+    ids = _check_args(target, draft, prompt_ids, max_new_tokens, k, temperature, top_k, top_p)
+    drafter = as_draft(draft)
+    max_new_tokens, P, device = int(max_new_tokens), len(ids), ids.device
+    stops = set(target.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    # a seeded generator reproduces the draws; greedy draws nothing that matters, so keep the global RNG
+    generator = None
+    if seed is not None or temperature == 0.0:
+        generator = torch.Generator(device=device).manual_seed(0 if seed is None else seed)
+    sampling = Sampling(temperature, top_k, top_p, generator)
+
+    capacity = P + max_new_tokens
+    cache = target.new_cache(1, capacity, spare=k)
+    check_rollback(cache, k)
+    drafter.reset(capacity, k)
+    stats = SpeculativeStats(k=k, caches={"target": cache})
+    if isinstance(drafter, ModelDraft):
+        stats.caches["draft"] = drafter.cache
+    if P > 1:
+        target(ids[None, :-1], cache=cache, last_only=True)  # prefill all but the newest token
+    context = torch.empty(capacity, dtype=torch.long, device=device)
+    context[:P] = ids
+    n = P
+    while n - P < max_new_tokens:
+        k_round = min(k, max_new_tokens - (n - P) - 1)  # never draft past max_new_tokens
+        if k_round > 0:
+            drafts, p = drafter.propose(context[:n], k_round, sampling)
+            drafts = drafts[:k_round]
+        else:
+            drafts, p = context.new_empty(0), None
+        if p is None:
+            p = F.one_hot(drafts, target.config.vocab_size).float()
+        p = p[: len(drafts)]
+        new = verify_drafts(
+            target, cache, context[n - 1 : n], drafts, p, temperature, top_k, top_p, generator
+        )
+        stats.target_passes += 1
+        stats.drafted += len(drafts)
+        stats.accepted += len(new) - 1
+        stats.rejected += int(len(new) - 1 < len(drafts))
+        context[n : n + len(new)] = new
+        emitted = new.tolist()
+        n += len(new)
+        hit = [i for i, t in enumerate(emitted) if t in stops]
+        if hit:
+            n -= len(new) - hit[0] - 1
+            break
+    out = context[P:n].clone()
+    stats.new_tokens = len(out)
+    return (out, stats) if return_stats else out
