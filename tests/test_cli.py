@@ -42,6 +42,9 @@ def run_cli(*args: str, stdin: str | None = None, timeout: float = 120) -> subpr
         (["--dtype", "int3"], "--dtype"),
         (["--model", "MISSING/dir/model.gguf"], "--model"),
         (["--model", "missing.gguf"], "--model"),
+        (["--draft", "ngram", "--speculate-k", "0"], "--speculate-k"),
+        (["--draft", "missing.gguf"], "--draft"),
+        (["--draft", "ngram", "--no-cache"], "--draft"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, option, tmp_path):
@@ -109,6 +112,24 @@ def test_json_tokens_equal_the_library_and_the_naive_sampler(tiny_checkpoint):
     assert out["token_ids"] == expected == out_naive["token_ids"]
     assert out["prompt_tokens"] == 10 and out["generated_tokens"] == 12 and out["use_cache"]
     assert not out_naive["use_cache"] and out["ttft_s"] > 0 and out["decode_tokens_per_s"] > 0
+
+
+def test_speculative_draft_gives_the_same_tokens_and_reports_alpha(tiny_checkpoint):
+    prompt = words(10) + " " + words(10)  # a repeated prompt: prompt lookup finds matches
+    args = ["--model", str(tiny_checkpoint), "--raw", "--max-new-tokens", "12", *FAST]
+    plain = run_cli(*args, "--json", prompt)
+    ngram = run_cli(*args, "--json", "--draft", "ngram", "--speculate-k", "3", prompt)
+    model_draft = run_cli(*args, "--draft", str(tiny_checkpoint), "--speculate-k", "2", prompt)  # text mode
+    for r in (plain, ngram, model_draft):
+        assert r.returncode == 0, r.stderr
+    out, spec = json.loads(plain.stdout), json.loads(ngram.stdout)
+    assert spec["token_ids"] == out["token_ids"], "greedy speculative output must equal plain greedy"
+    s = spec["speculative"]
+    assert s["draft"] == "ngram" and s["k"] == 3 and s["new_tokens"] == spec["generated_tokens"]
+    assert 0 <= s["alpha"] <= 1 and s["tokens_per_pass"] == s["new_tokens"] / s["target_passes"]
+    assert model_draft.stdout.strip() == out["text"].strip()
+    # the model drafting for itself accepts everything: 2 drafts + 1 bonus per pass
+    assert "acceptance alpha 1.000" in model_draft.stderr and "tokens per target pass" in model_draft.stderr
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json"])
