@@ -1,5 +1,9 @@
 """Benchmarks. `decode`: how fast is token-by-token generation, and how far from the memory roofline?
 `quant`: fp32 and every quantization method in one table (bytes, perplexity, KL, decode tokens/s).
+`speculative`: greedy speculative decoding of SmolLM2-135M (prompt lookup and/or an int8 draft) on a
+chat and a rewrite workload, k = 1..8: alpha, tokens per pass vs the formula, pass costs, speedup.
+
+    python scripts/benchmark.py speculative --prompts 1 --max-new-tokens 32 --out runs/spec.json --plot spec.png
 
     python scripts/benchmark.py quant --max-tokens 4096 --json quant.json   # see scripts/evaluate.py
 
@@ -156,6 +160,48 @@ def run_quant(args: argparse.Namespace) -> dict:
             "table": header + "\n\n" + evaluation.format_table(rows), "rows": rows}  # fmt: skip
 
 
+def run_speculative(args: argparse.Namespace) -> dict:
+    """`speculative`: library code in cs336_inference/spec_bench.py."""
+    from cs336_inference import spec_bench
+    from cs336_inference.tokenizer import load_tokenizer
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    ks = [int(k) for k in args.ks.split(",")]
+    if args.prompts < 1 or args.max_new_tokens < 1 or min(ks) < 1:
+        raise BenchmarkError("--prompts, --max-new-tokens and every k must be >= 1")
+    source = Path(args.model) if args.model else default_model_path()
+    target = load_pretrained(source)
+    tokenizer = load_tokenizer(source)
+    drafts: dict = {}
+    for name in args.drafts.split(","):
+        if name == "ngram":
+            drafts[name] = "ngram"
+        elif name in ("int8", "q8_0", "llm_int8"):
+            from cs336_inference.quantization import quantize_model
+
+            drafts[name] = quantize_model(load_pretrained(source), name)
+        else:
+            raise BenchmarkError(f"--drafts: unknown draft {name!r} (ngram, int8, q8_0, llm_int8)")
+
+    def chat(text: str) -> torch.Tensor:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        return torch.tensor(tokenizer.encode(prompt, add_special_tokens=False))
+
+    workloads = {
+        name: [chat(t) for t in texts[: args.prompts]] for name, texts in spec_bench.WORKLOADS.items()
+    }
+    stops = list(dict.fromkeys(list(tokenizer.eos_token_ids) + target.config.eos_token_ids))
+    result = spec_bench.speculative_benchmark(
+        target, drafts, workloads, ks, args.max_new_tokens, stops, runs=args.runs, log=log
+    )
+    table = spec_bench.format_table(result["rows"])
+    if args.plot:
+        spec_bench.plot_speedup(result["rows"], args.plot)
+    return {"model": str(source), "threads": torch.get_num_threads(), "prompts": args.prompts,
+            "max_new_tokens": args.max_new_tokens, **result, "table": table}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -172,11 +218,25 @@ def main(argv: list[str] | None = None) -> int:
     dec.add_argument("--quick", action="store_true", help="16 and 32 new tokens only")
     dec.add_argument("--runs", type=int, default=3, help="timed runs per measurement (median; >= 1)")
     dec.add_argument("--out", type=Path, help="write the results as JSON here")
+    spec = sub.add_parser("speculative", help="speculative decoding: alpha, tokens/pass, speedup vs k")
+    spec.add_argument("--model", help="target checkpoint (default: SmolLM2-135M-Instruct GGUF)")
+    spec.add_argument("--drafts", default="ngram", help="comma-separated: ngram, int8, q8_0, llm_int8")
+    spec.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="comma-separated k values")
+    spec.add_argument("--prompts", type=int, default=2, help="prompts per workload (chat, rewrite)")
+    spec.add_argument(
+        "--max-new-tokens", type=int, default=64, help="new tokens per prompt (greedy, EOS stops)"
+    )
+    spec.add_argument("--runs", type=int, default=3, help="timed runs per pass-cost measurement (median)")
+    spec.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    spec.add_argument("--out", type=Path, help="write the results as JSON here")
+    spec.add_argument("--plot", type=Path, help="write a PNG of speedup vs k here")
     args = parser.parse_args(argv)
     try:
         if args.command == "quant":
             result = run_quant(args)
             args.out = args.json
+        elif args.command == "speculative":
+            result = run_speculative(args)
         else:
             if args.runs < 1:
                 raise BenchmarkError(f"--runs must be >= 1, got {args.runs}")
@@ -184,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchmarkError, ValueError, OSError, RuntimeError) as e:
         print(f"benchmark.py: error: {e}", file=sys.stderr)
         return 2
-    print(result["table"] if args.command == "quant" else format_report(result))
+    print(result["table"] if args.command in ("quant", "speculative") else format_report(result))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -1,0 +1,217 @@
+"""Measuring speculative decoding: acceptance, tokens per target pass, pass costs and speedup.
+
+For each workload (a list of prompts), draft and k, `speculative_benchmark` runs greedy
+speculative decoding and plain `generate` on the same prompts in the same process and reports
+
+    alpha            accepted / examined drafts, pooled over the workload's prompts
+    tokens/pass      new tokens / target passes, next to the formula (1 - a^(k+1)) / (1 - a)
+    verify cost      time of a (k+1)-token target forward with the cache / a 1-token step
+    draft cost       time of a 1-token draft step / a 1-token target step (0 for prompt lookup)
+    predicted        tokens/pass / (verify cost + k * draft cost), in units of one target step
+    speedup          target-only time / speculative time (measured)
+    identical        greedy speculative output == greedy generate output, every prompt
+
+Times are wall clock on whatever device the models are on (CUDA events on a GPU).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from .model import TransformerLM
+from .sampling import generate
+from .speculative import speculative_generate
+from .timing import median_seconds, synchronize
+
+Log = Callable[[str], None]
+
+CHAT_PROMPTS = [
+    "What are three good habits for staying healthy? Answer briefly.",
+    "Explain in two sentences why the sky is blue.",
+    "Write a short note inviting a colleague to lunch on Friday.",
+    "What is the difference between a list and a tuple in Python?",
+]
+
+PASSAGE = (
+    "The Amazon rainforest covers much of the Amazon basin of South America. The basin spans about "
+    "seven million square kilometres, of which about five and a half million are covered by the "
+    "rainforest. The region includes territory belonging to nine nations. The majority of the forest "
+    "is contained within Brazil, with 60 percent of the rainforest, followed by Peru with 13 percent "
+    "and Colombia with 10 percent."
+)
+REWRITE_PROMPTS = [
+    f"Copy the following passage exactly, sentence by sentence:\n\n{PASSAGE}",
+    f"Here is a passage:\n\n{PASSAGE}\n\nRepeat the sentences of the passage that contain a number.",
+    f"Rewrite the following passage in the past tense, changing nothing else:\n\n{PASSAGE}",
+    f"Read the passage and list each country it names with its percentage.\n\n{PASSAGE}",
+]
+WORKLOADS = {"chat": CHAT_PROMPTS, "rewrite": REWRITE_PROMPTS}
+
+
+def expected_tokens_per_pass(alpha: float, k: int) -> float:
+    """(1 - a^(k+1)) / (1 - a): the expected tokens per target pass for acceptance a (k + 1 at a = 1)."""
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@torch.inference_mode()
+def forward_cost(model: TransformerLM, context: torch.Tensor, n_tokens: int, runs: int = 3) -> float:
+    """Median seconds of one cached forward of n_tokens after `context` (rolled back after each)."""
+    cache = model.new_cache(1, len(context) + n_tokens)
+    model(context[None, :-n_tokens], cache=cache)
+    start = cache.pos
+    feed = context[None, -n_tokens:]
+
+    def step():
+        model(feed, cache=cache)
+        cache.truncate(start)
+
+    return median_seconds(step, repeats=runs, warmup=1, device=context.device)
+
+
+def pass_costs(target: TransformerLM, context: torch.Tensor, ks: list[int], runs: int, log: Log) -> dict:
+    """{"step_s": 1-token step, "verify_ratio": {k: (k+1)-token forward / 1-token step}}."""
+    step = forward_cost(target, context, 1, runs)
+    ratios = {}
+    for k in ks:
+        ratios[k] = forward_cost(target, context, k + 1, runs) / step
+        log(f"  verify pass of {k + 1} tokens: {ratios[k]:.2f}x a one-token step ({step * 1e3:.0f} ms)")
+    return {"step_s": step, "verify_ratio": ratios}
+
+
+def _timed(fn) -> tuple[object, float]:
+    synchronize()
+    start = time.perf_counter()
+    out = fn()
+    synchronize()
+    return out, time.perf_counter() - start
+
+
+def speculative_benchmark(
+    target: TransformerLM,
+    drafts: dict[str, object],
+    workloads: dict[str, list[torch.Tensor]],
+    ks: list[int],
+    max_new_tokens: int,
+    stop_token_ids: list[int] | None = None,
+    runs: int = 3,
+    log: Log = print,
+) -> dict:
+    """Greedy speculative decoding vs target-only decoding; returns {"rows": [...], "costs": {...}}.
+
+    drafts: name -> "ngram" / NGramDraft / TransformerLM; workloads: name -> list of prompt ids.
+    Each (workload, draft, k) row pools the workload's prompts.
+    """
+    first = next(iter(workloads.values()))[0]
+    log(f"pass costs at a context of {len(first)} tokens:")
+    costs = pass_costs(target, first, sorted(set(ks)), runs, log)
+    draft_ratio = {}
+    for name, draft in drafts.items():
+        if isinstance(draft, TransformerLM):
+            draft_ratio[name] = forward_cost(draft, first, 1, runs) / costs["step_s"]
+            log(f"  draft {name}: one step = {draft_ratio[name]:.2f}x a target step")
+        else:
+            draft_ratio[name] = 0.0
+    rows = []
+    for wname, prompts in workloads.items():
+        base_tokens, base_s = [], 0.0
+        for ids in prompts:
+            out, seconds = _timed(
+                lambda ids=ids: generate(target, ids, max_new_tokens, stop_token_ids=stop_token_ids)
+            )
+            base_tokens.append(out)
+            base_s += seconds
+        n_base = sum(len(t) for t in base_tokens)
+        log(f"{wname}: target only, {n_base} tokens in {base_s:.1f} s ({n_base / base_s:.2f} tokens/s)")
+        for dname, draft in drafts.items():
+            for k in ks:
+                new = passes = accepted = rejected = drafted = 0
+                spec_s, identical = 0.0, True
+                for ids, ref in zip(prompts, base_tokens, strict=True):
+                    (out, stats), seconds = _timed(
+                        lambda ids=ids, k=k, draft=draft: speculative_generate(
+                            target,
+                            draft,
+                            ids,
+                            max_new_tokens,
+                            k=k,
+                            stop_token_ids=stop_token_ids,
+                            return_stats=True,
+                        )
+                    )
+                    spec_s += seconds
+                    identical &= torch.equal(out, ref)
+                    new += stats.new_tokens
+                    passes += stats.target_passes
+                    accepted += stats.accepted
+                    rejected += stats.rejected
+                    drafted += stats.drafted
+                alpha = accepted / (accepted + rejected) if accepted + rejected else float("nan")
+                tpp = new / passes
+                round_cost = costs["verify_ratio"][k] + k * draft_ratio[dname]
+                row = dict(
+                    workload=wname,
+                    draft=dname,
+                    k=k,
+                    alpha=alpha,
+                    tokens_per_pass=tpp,
+                    predicted_tokens_per_pass=expected_tokens_per_pass(alpha, k) if alpha == alpha else None,
+                    verify_cost=costs["verify_ratio"][k],
+                    draft_cost=draft_ratio[dname],
+                    predicted_speedup=tpp / round_cost,
+                    speedup=base_s / spec_s,
+                    tokens_per_s=new / spec_s,
+                    target_tokens_per_s=n_base / base_s,
+                    drafted=drafted,
+                    accepted=accepted,
+                    identical=bool(identical),
+                )
+                rows.append(row)
+                log(
+                    f"  {dname} k={k}: alpha {alpha:.2f}, {tpp:.2f} tokens/pass, speedup {row['speedup']:.2f}x "
+                    f"(predicted {row['predicted_speedup']:.2f}x), identical {identical}"
+                )
+    return {"rows": rows, "costs": {**costs, "draft_ratio": draft_ratio}}
+
+
+def format_table(rows: list[dict]) -> str:
+    """A markdown table of the rows."""
+    head = (
+        "| workload | draft | k | alpha | tokens/pass | formula | verify cost | draft cost | "
+        "predicted speedup | speedup | identical |\n"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+    )
+    lines = [head]
+    for r in rows:
+        formula = "–" if r["predicted_tokens_per_pass"] is None else f"{r['predicted_tokens_per_pass']:.2f}"
+        lines.append(
+            f"| {r['workload']} | {r['draft']} | {r['k']} | {r['alpha']:.2f} | {r['tokens_per_pass']:.2f} | "
+            f"{formula} | {r['verify_cost']:.2f} | {r['draft_cost']:.2f} | {r['predicted_speedup']:.2f}x | "
+            f"{r['speedup']:.2f}x | {'yes' if r['identical'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_speedup(rows: list[dict], path) -> None:
+    """Measured (solid) and predicted (dashed) speedup against k, one line per workload and draft."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key in dict.fromkeys((r["workload"], r["draft"]) for r in rows):
+        sel = [r for r in rows if (r["workload"], r["draft"]) == key]
+        ks = [r["k"] for r in sel]
+        (line,) = ax.plot(ks, [r["speedup"] for r in sel], marker="o", label=f"{key[0]}, {key[1]}")
+        ax.plot(ks, [r["predicted_speedup"] for r in sel], ls="--", color=line.get_color())
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("k (drafted tokens per round)")
+    ax.set_ylabel("speedup over target-only decoding")
+    ax.set_title("Speculative decoding (solid: measured, dashed: predicted)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
