@@ -138,7 +138,9 @@ def test_distillation_lowers_held_out_kl_more_than_cross_entropy():
     start, kd_end, ce_end = history_kd[0]["kl"], history_kd[-1]["kl"], history_ce[-1]["kl"]
     assert history_ce[0]["kl"] == start
     assert kd_end < 0.7 * start, f"distillation: held-out KL {start:.4f} -> {kd_end:.4f} in 40 steps"
-    assert kd_end < 0.9 * ce_end, f"KD must beat CE on the same tokens and steps: KL {kd_end:.4f} vs {ce_end:.4f}"
+    assert kd_end < 0.9 * ce_end, (
+        f"KD must beat CE on the same tokens and steps: KL {kd_end:.4f} vs {ce_end:.4f}"
+    )
 
 
 def test_resume_continues_bit_for_bit(tmp_path):
