@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -157,6 +158,7 @@ def distill(
     resume: bool = False,
     stop_at: int | None = None,
     progress: bool = True,
+    budget_s: float | None = None,
     **settings,
 ) -> list[dict]:
     """Distill teacher into student in place; returns the history (one dict per evaluation).
@@ -165,6 +167,7 @@ def distill(
     drawn (with replacement) by a generator seeded with `seed`. With checkpoint_dir, a checkpoint is
     written every save_every steps and at the end (or at stop_at, to stop early); resume=True
     continues from the one there, bit for bit like an uninterrupted run (same settings required).
+    budget_s: stop (evaluating and saving first) once this many seconds of training have passed.
     Settings (see DistillSettings): steps, batch_size, accum, lr, min_lr_ratio, warmup, weight_decay,
     clip, temperature, alpha_ce (weight of cross-entropy), eval_every, seed.
     """
@@ -202,6 +205,7 @@ def distill(
     end = s.steps if stop_at is None else min(stop_at, s.steps)
     student.train()
     bar = _progress(range(step, end), progress, initial=step, total=s.steps)
+    began = time.perf_counter()
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, s)
@@ -227,12 +231,15 @@ def distill(
         done = step + 1
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{total:.4f}")
-        if done % s.eval_every == 0 or done == s.steps:
+        out_of_time = budget_s is not None and time.perf_counter() - began > budget_s
+        if done % s.eval_every == 0 or done == s.steps or out_of_time:
             evaluate(done, total)
             if hasattr(bar, "write") and eval_windows is not None:
                 bar.write(f"step {done}: held-out KL {history[-1]['kl']:.4f}, CE {history[-1]['ce']:.4f}")
-        if folder is not None and ((save_every and done % save_every == 0) or done == end):
+        if folder is not None and ((save_every and done % save_every == 0) or done == end or out_of_time):
             save_checkpoint(folder, student, optimizer, generator, s, done, history)
+        if out_of_time:
+            break
     student.eval()
     return history
 
