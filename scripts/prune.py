@@ -84,7 +84,12 @@ def main(argv=None) -> int:
         log(f"calibrating on {calib.numel()} tokens ...")
         scores = importance_scores(teacher, calib)
         student = prune(
-            teacher, n_layers=args.layers, n_heads=args.n_heads, d_ff=args.d_ff, d_model=args.d_model, scores=scores
+            teacher,
+            n_layers=args.layers,
+            n_heads=args.n_heads,
+            d_ff=args.d_ff,
+            d_model=args.d_model,
+            scores=scores,
         )
         log(f"pruned: {student.config.n_layers} layers, d_ff {student.config.d_ff}; scoring ...")
         ppl = {"original": evaluation.perplexity(teacher, held, 512, 384)}
@@ -134,7 +139,9 @@ def main(argv=None) -> int:
               + ", ".join(f"step {h['step']}: {h['kl']:.3f}" for h in history))  # fmt: skip
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"source": str(source), "rows": rows, "history": history}, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps({"source": str(source), "rows": rows, "history": history}, indent=2) + "\n"
+        )
     return 0
 
 
