@@ -32,6 +32,7 @@ EXPECTED = {
     "03_sampling.ipynb",
     "04_quantization.ipynb",
     "05_speculative.ipynb",
+    "06_pruning.ipynb",
 }
 CELL_TIMEOUT = 600  # seconds per cell; the notebooks take well under 2 minutes on an idle CPU
 HANDOUT = REPO / "assignments" / "handout.md"
