@@ -12,6 +12,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from . import build
+from .cuda import int8_weight_only
 
 MAX_ROWS = 16  # more rows (prefill) stay on BLAS
 GGML = {"q8_0": 3, "q4_0": 4, "q4_1": 5}  # the format codes of decode.c
@@ -62,11 +63,11 @@ def linear_fp32(
 
 def quantized_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"] | None:
     """The KERNELS entry of quantization.linear: y = x dequantize(stored)^T + b from the stored bytes."""
+    q = layer.qweight
+    if q.device.type != "cpu":  # the GPU path (kernels/cuda.py) needs no build
+        return int8_weight_only(layer, x) if q.device.type == "cuda" and build.enabled() else None
     lib = build.library()
     if lib is None:
-        return None
-    q = layer.qweight
-    if q.device.type != "cpu":
         return None
     rows = _rows(x, layer.d_in, False)
     if rows is None:
