@@ -167,7 +167,8 @@ def format_benchmark(
 
     S = len(prompt) + new_tokens // 2
     kv = acc.kv_cache_bytes(model.config, 1, S, 4)
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())  # the weights a step reads (as weight_bytes):
+    params -= 0 if model.lm_head is None else model.embed.weight.numel()  # an untied table is a lookup
     rows = {}
     for name, ts in times.items():
         step = statistics.median(ts)

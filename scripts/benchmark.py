@@ -114,7 +114,7 @@ def run_decode(args: argparse.Namespace) -> dict:
 def format_report(r: dict) -> str:
     if "env" not in r:  # --formats-only
         return r["formats"]["table"]
-    return format_decode(r) + "\n\n" + r["formats"]["table"]
+    return format_decode(r) + ("\n\n" + r["formats"]["table"] if "formats" in r else "")
 
 
 def format_decode(r: dict) -> str:
