@@ -72,7 +72,31 @@ def targets(result: dict, largest: int) -> dict:
     return out
 
 
+def run_formats(args: argparse.Namespace, model, source: Path, prompt: torch.Tensor) -> dict:
+    """The per-format section (cs336_inference/format_benchmark.py), with transformers if it loads."""
+    from cs336_inference import format_benchmark as fb
+
+    hf, why = bench.load_transformers(source)
+    if hf is None:
+        log(f"transformers skipped: {why}")
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    result = fb.format_benchmark(model, prompt, formats, args.new_tokens, args.runs, hf=hf, log=log)
+    result["table"] = fb.format_table(result)
+    if args.png:
+        args.png.parent.mkdir(parents=True, exist_ok=True)
+        fb.plot(result, args.png)
+        log(f"wrote {args.png}")
+    return result
+
+
 def run_decode(args: argparse.Namespace) -> dict:
+    if args.formats_only:
+        source = Path(args.model) if args.model else default_model_path()
+        if not source.exists():
+            raise BenchmarkError(f"--model: no such file or folder: {source}")
+        model = load_pretrained(source, dtype=torch.float32)
+        prompt = bench.benchmark_prompt(source, model.config.vocab_size, PROMPT_LEN)
+        return {"formats": run_formats(args, model, source, prompt)}
     sizes = [16, 32] if args.quick else [64, 128, 256, 512]
     vs_n = 32 if args.quick else 128
     source = Path(args.model) if args.model else default_model_path()
@@ -87,10 +111,17 @@ def run_decode(args: argparse.Namespace) -> dict:
     result = bench.decode_benchmark(models, prompt, sizes, vs_n, args.runs, hf_source=source, log=log)
     result["settings"]["quick"] = args.quick
     result["targets"] = targets(result, max(sizes))
+    result["formats"] = run_formats(args, model, source, prompt)
     return result
 
 
 def format_report(r: dict) -> str:
+    if "env" not in r:  # --formats-only
+        return r["formats"]["table"]
+    return format_decode(r) + ("\n\n" + r["formats"]["table"] if "formats" in r else "")
+
+
+def format_decode(r: dict) -> str:
     env = r["env"]
     lines = [
         f"decode benchmark: torch {env['torch']}, {env['threads']} threads, {env['device']} (load average "
@@ -218,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     dec.add_argument("--quick", action="store_true", help="16 and 32 new tokens only")
     dec.add_argument("--runs", type=int, default=3, help="timed runs per measurement (median; >= 1)")
     dec.add_argument("--out", type=Path, help="write the results as JSON here")
+    dec.add_argument("--formats", default="fp32,int8,int4,q8_0,q4_0", help="weight formats to compare")
+    dec.add_argument("--new-tokens", type=int, default=128, help="decode steps per format timing")
+    dec.add_argument("--formats-only", action="store_true", help="only the per-format comparison")
+    dec.add_argument("--png", type=Path, help="plot tokens/s vs bits per weight here")
     spec = sub.add_parser("speculative", help="speculative decoding: alpha, tokens/pass, speedup vs k")
     spec.add_argument("--model", help="target checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     spec.add_argument("--drafts", default="ngram", help="comma-separated: ngram, int8, q8_0, llm_int8")
@@ -238,8 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "speculative":
             result = run_speculative(args)
         else:
-            if args.runs < 1:
-                raise BenchmarkError(f"--runs must be >= 1, got {args.runs}")
+            if args.runs < 1 or args.new_tokens < 2:
+                raise BenchmarkError(
+                    f"--runs must be >= 1 and --new-tokens >= 2, got {args.runs}, {args.new_tokens}"
+                )
             result = run_decode(args)
     except (BenchmarkError, ValueError, OSError, RuntimeError) as e:
         print(f"benchmark.py: error: {e}", file=sys.stderr)

@@ -58,3 +58,26 @@ def test_a_prompt_longer_than_the_window_is_one_clear_error():
     model = TransformerLM(cfg).eval()
     with pytest.raises(ValueError, match="exceed the model's window 16"):
         bench.decode_benchmark({"tiny": model}, torch.zeros(8, dtype=torch.long), sizes=[16], vs_n=4, runs=1)
+
+
+def test_format_benchmark_on_a_tiny_model(tmp_path):
+    from cs336_inference import format_benchmark as fb
+
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (20,))
+    r = fb.format_benchmark(model, prompt, ["fp32", "int8", "q4_0"], new_tokens=2, rounds=1, llama_cpp=False)
+    assert set(r["rows"]) == {"ours fp32", "ours int8", "ours q4_0"}
+    assert r["rows"]["ours fp32"]["vs_ours_fp32"] == 1.0
+    assert r["rows"]["ours int8"]["bits_per_weight"] < r["rows"]["ours fp32"]["bits_per_weight"] == 32.0
+    for row in r["rows"].values():
+        assert (
+            row["bytes_per_step"] == row["weight_bytes"] + r["kv_bytes_per_step"]
+            and row["roofline_fraction"] > 0
+        )
+    assert set(r["t_token_cost"]["int8"]) == set(fb.T_SIZES)
+    json.dumps(r)
+    assert "ours q4_0" in fb.format_table(r)
+    fb.plot(r, tmp_path / "formats.png")
+    assert (tmp_path / "formats.png").stat().st_size > 0

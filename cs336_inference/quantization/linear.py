@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
+from cs336_inference import kernels as decode_kernels
 from cs336_inference.quantization import ggml_blocks
 from cs336_inference.quantization.absmax import absmax_dequantize, absmax_quantize
 from cs336_inference.quantization.int4 import check_group_size, int4_dequantize, int4_quantize
@@ -80,7 +81,8 @@ FORMATS: dict[str, Format] = {
 }
 
 # Fast paths: format name -> kernel(layer, x) returning y, or None to fall back to the reference.
-KERNELS: dict[str, Callable[[QuantizedLinear, Tensor], Tensor | None]] = {}
+# Filled with the decode kernels (cs336_inference/kernels: 1..16 rows, CPU, float32).
+KERNELS: dict[str, Callable[[QuantizedLinear, Tensor], Tensor | None]] = dict(decode_kernels.QUANTIZED)
 
 
 def check_format(fmt: str, d_in: int, group_size: int | None) -> int | None:

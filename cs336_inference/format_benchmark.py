@@ -1,0 +1,274 @@
+"""Decode speed per weight format, in one interleaved run: does fewer bytes buy speed?
+
+For one checkpoint, greedy, batch 1: our decode tokens/s in fp32 and each quantized format (the
+decode kernels of cs336_inference/kernels doing the products), transformers' `generate` on the
+same fp32 weights, and llama.cpp (llama-cpp-python, optional) on GGUF files of the same weights
+that we write ourselves (checkpoint.save_gguf). Runs are interleaved round by round (every
+contender once per round, medians over rounds), so load on a shared machine hits all of them alike.
+
+Next to each: bytes read per decode step (weights as stored + the KV cache at the average context),
+the roofline step time (bytes / read bandwidth measured in the same run) and the fraction reached;
+and the cost of a forward of T tokens against the cache relative to one token (T = 1, 2, 5, 9, 17:
+what a speculative verification of T - 1 drafts costs). `plot` draws tokens/s against bits per
+weight with the roofline curve.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from . import accounting as acc
+from .model import TransformerLM
+from .timing import read_bandwidth
+
+Log = Callable[[str], None]
+T_SIZES = (1, 2, 5, 9, 17)
+LLAMA_CPP_TYPES = {"fp32": "f32", "q8_0": "q8_0", "q4_0": "q4_0"}
+LLAMA_CPP_HINT = (
+    "llama.cpp skipped: llama-cpp-python is not installed (no binary wheel on PyPI: "
+    "`pip install llama-cpp-python` compiles llama.cpp, a few minutes with cmake and a C++ compiler)"
+)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def weight_bytes(model: TransformerLM) -> int:
+    """Bytes of weights a decode step reads: everything stored once (tied table once)."""
+    from .quantization import model_nbytes
+
+    lookup_only = (
+        0 if model.lm_head is None else model.embed.weight.numel() * model.embed.weight.element_size()
+    )
+    return model_nbytes(model) - lookup_only
+
+
+@torch.inference_mode()
+def decode_seconds(model: TransformerLM, prompt: torch.Tensor, n: int) -> float:
+    """Seconds per decode step over n greedy steps after the prefill (argmax, no sampling overhead)."""
+    cache = model.new_cache(1, len(prompt) + n + 1)
+    token = model(prompt[None], cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        token = model(token, cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+    return (time.perf_counter() - t0) / n
+
+
+@torch.inference_mode()
+def forward_seconds(model: TransformerLM, prompt: torch.Tensor, T: int, repeats: int) -> float:
+    """Median seconds of one forward of T tokens against a cache holding the prompt."""
+    cache = model.new_cache(1, len(prompt) + max(T_SIZES) + 1)
+    model(prompt[None], cache=cache)
+    ids = prompt[None, :T]
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        model(ids, cache=cache)
+        times.append(time.perf_counter() - t0)
+        cache.truncate(len(prompt))
+    return statistics.median(times[1:])
+
+
+def hf_decode_seconds(hf, prompt: torch.Tensor, n: int) -> float:
+    """transformers generate: (time for n + 1 tokens - time for 1 token) / n, i.e. per decode step."""
+    ids, mask = prompt[None], torch.ones(1, len(prompt), dtype=torch.long)
+
+    @torch.inference_mode()
+    def run(k):
+        t0 = time.perf_counter()
+        hf.generate(ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False)
+        return time.perf_counter() - t0
+
+    return (run(n + 1) - run(1)) / n
+
+
+def load_llama_cpp(model: TransformerLM, qtype: str, workdir: Path, log: Log):
+    """A llama_cpp.Llama on our own GGUF export of `model` in qtype, or None (llama-cpp-python missing)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    from .checkpoint import save_gguf
+
+    path = workdir / f"model-{qtype}.gguf"
+    save_gguf(model, path, qtype=qtype)
+    log(f"  llama.cpp: {path.name}")
+    return Llama(str(path), n_ctx=512, n_threads=torch.get_num_threads(), verbose=False)
+
+
+def llama_decode_seconds(llm, prompt: torch.Tensor, n: int) -> float:
+    llm.reset()
+    llm.eval(prompt.tolist())
+    t0 = time.perf_counter()
+    for _ in range(n):
+        token = llm.sample(temp=0.0)
+        llm.eval([token])
+    return (time.perf_counter() - t0) / n
+
+
+def format_benchmark(
+    model: TransformerLM,
+    prompt: torch.Tensor,
+    formats: list[str],
+    new_tokens: int,
+    rounds: int,
+    hf=None,
+    llama_cpp: bool = True,
+    log: Log = lambda msg: None,
+) -> dict:
+    """The interleaved comparison (module docstring) as a JSON-ready dict."""
+    from . import kernels
+    from .quantization import quantize_model
+
+    models = {fmt: model if fmt == "fp32" else quantize_model(model, fmt) for fmt in formats}
+    bandwidth = read_bandwidth(max(weight_bytes(model), 64 * 2**20), repeats=7)
+    log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    contenders: dict[str, Callable[[], float]] = {
+        f"ours {fmt}": (lambda m=m: decode_seconds(m, prompt, new_tokens)) for fmt, m in models.items()
+    }
+    if hf is not None:
+        contenders["transformers fp32"] = lambda: hf_decode_seconds(hf, prompt, new_tokens)
+    llama_note = None
+    with tempfile.TemporaryDirectory() as tmp:
+        if llama_cpp:
+            for fmt, qtype in LLAMA_CPP_TYPES.items():
+                llm = load_llama_cpp(model, qtype, Path(tmp), log)
+                if llm is None:
+                    llama_note = LLAMA_CPP_HINT
+                    break
+                contenders[f"llama.cpp {fmt}"] = lambda llm=llm: llama_decode_seconds(llm, prompt, new_tokens)
+        for fn in contenders.values():  # warm-up (builds the kernels, plans the fp32 layouts)
+            fn()
+        times: dict[str, list[float]] = {name: [] for name in contenders}
+        for r in range(rounds):
+            for name, fn in contenders.items():
+                times[name].append(fn())
+            log(
+                f"  round {r + 1}/{rounds}: "
+                + ", ".join(f"{k} {1 / v[-1]:.1f}" for k, v in times.items())
+                + " tok/s"
+            )
+
+    S = len(prompt) + new_tokens // 2
+    kv = acc.kv_cache_bytes(model.config, 1, S, 4)
+    params = sum(p.numel() for p in model.parameters())  # the weights a step reads (as weight_bytes):
+    params -= 0 if model.lm_head is None else model.embed.weight.numel()  # an untied table is a lookup
+    rows = {}
+    for name, ts in times.items():
+        step = statistics.median(ts)
+        fmt = name.split()[1]
+        m = models.get(fmt, model)
+        wb = weight_bytes(m) if fmt in models else None
+        if name.startswith("llama.cpp"):
+            wb = (
+                None  # its own file's bytes (it quantizes the same tensors, the table too): not ours to count
+            )
+        row = {"decode_step_s": step, "tokens_per_s": 1 / step, "runs_s": ts}
+        if wb is not None:
+            step_bytes = wb + kv
+            row |= {
+                "weight_bytes": wb,
+                "bits_per_weight": 8 * wb / params,
+                "bytes_per_step": step_bytes,
+                "roofline_step_s": step_bytes / bandwidth,
+                "roofline_fraction": step_bytes / bandwidth / step,
+            }
+        rows[name] = row
+    fp32 = rows["ours fp32"]["tokens_per_s"] if "ours fp32" in rows else None
+    for row in rows.values():
+        row["vs_ours_fp32"] = row["tokens_per_s"] / fp32 if fp32 else None
+
+    log("T-token forwards")
+    t_cost = {}
+    for fmt, m in models.items():
+        base = forward_seconds(m, prompt, 1, 2 * rounds + 3)
+        t_cost[fmt] = {T: forward_seconds(m, prompt, T, 2 * rounds + 3) / base for T in T_SIZES}
+        log(f"  {fmt}: " + ", ".join(f"T={T} {v:.2f}x" for T, v in t_cost[fmt].items()))
+    return {
+        "env": {
+            "cpu": cpu_name(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "kernels": kernels.library() is not None,
+            "read_bandwidth_bytes_per_s": bandwidth,
+            "load_average": os.getloadavg(),
+            "python": sys.version.split()[0],
+        },
+        "settings": {"prompt_len": len(prompt), "new_tokens": new_tokens, "rounds": rounds, "avg_context": S},
+        "parameters": params,
+        "kv_bytes_per_step": kv,
+        "rows": rows,
+        "t_token_cost": t_cost,
+        "llama_cpp": llama_note or "ran",
+    }
+
+
+def format_table(r: dict) -> str:
+    env, st = r["env"], r["settings"]
+    lines = [
+        f"decode by weight format: {env['cpu']}, {env['threads']} threads, torch {env['torch']}, kernels "
+        f"{'on' if env['kernels'] else 'OFF'}; read bandwidth {env['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; "
+        f"batch 1, prompt {st['prompt_len']}, {st['new_tokens']} greedy steps, median of {st['rounds']} "
+        f"interleaved rounds; load average {env['load_average'][0]:.1f}",
+        "",
+        f"{'':<20}{'tok/s':>8}{'vs fp32':>9}{'bits/w':>8}{'MB/step':>9}{'roofline':>10}",
+    ]
+    for name, row in r["rows"].items():
+        bits = f"{row['bits_per_weight']:.2f}" if "bits_per_weight" in row else "-"
+        mb = f"{row['bytes_per_step'] / 1e6:.0f}" if "bytes_per_step" in row else "-"
+        frac = f"{row['roofline_fraction']:.0%}" if "roofline_fraction" in row else "-"
+        vs = f"{row['vs_ours_fp32']:.2f}x" if row.get("vs_ours_fp32") else "-"
+        lines.append(f"{name:<20}{row['tokens_per_s']:>8.1f}{vs:>9}{bits:>8}{mb:>9}{frac:>10}")
+    lines += ["", "cost of a T-token forward against the cache, relative to T = 1:"]
+    lines.append(f"{'':<8}" + "".join(f"{f'T={T}':>8}" for T in T_SIZES))
+    for fmt, cost in r["t_token_cost"].items():
+        lines.append(f"{fmt:<8}" + "".join(f"{cost[T]:>7.2f}x" for T in T_SIZES))
+    if r["llama_cpp"] != "ran":
+        lines += ["", r["llama_cpp"]]
+    return "\n".join(lines)
+
+
+def plot(r: dict, path: Path) -> None:
+    """tokens/s against bits per weight: ours, llama.cpp (at its format's nominal bits), the roofline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bw, params, kv = r["env"]["read_bandwidth_bytes_per_s"], r["parameters"], r["kv_bytes_per_step"]
+    nominal = {"fp32": 32.0, "q8_0": 8.5, "q4_0": 4.5}
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bits = [b / 10 for b in range(30, 330)]
+    ax.plot(
+        bits, [bw / (b / 8 * params + kv) for b in bits], "k--", label="roofline (bandwidth / bytes per step)"
+    )
+    for name, row in r["rows"].items():
+        fmt = name.split()[1]
+        b = row.get("bits_per_weight", nominal.get(fmt))
+        if b is None:
+            continue
+        style = {"ours": "o", "llama.cpp": "s", "transformers": "^"}[name.split()[0]]
+        ax.plot(b, row["tokens_per_s"], style, label=name)
+    ax.set_xlabel("bits per weight (as read per step)")
+    ax.set_ylabel("decode tokens/s (batch 1)")
+    ax.set_title(r["env"]["cpu"][:60], fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,27 @@
+"""Fast products for the decode shapes (x of 1..16 rows times a weight), staff code.
+
+Decode reads every weight once per step for a few FLOPs per byte, so its speed is bytes over
+bandwidth, and a product must (1) read the stored weight (int8, int4, llama.cpp blocks) without
+first materializing it in float32, and (2) run all the rows of a short call (a speculative
+verification, a small batch) against one read of the weight. The readable references
+(quantization/linear.py, layers.Linear) do neither; these kernels do both, and give each row a
+result bitwise independent of how many rows share the call.
+
+build.py    compiles decode.c on first use (gcc -O3 -march=native -fopenmp, ~1-7 s), cached; loads it
+            with ctypes. No compiler, a failed build or CS336_KERNELS=0: the PyTorch path runs
+            (a failed build says so once on stderr).
+decode.c    the kernels: fp32 (row- or column-major), int8, int4, Q8_0, Q4_0, Q4_1
+ops.py      argument checks and calls (None when a call is not one the kernels handle)
+layout.py   the fp32 path of layers.Linear: layout and product chosen per shape by measurement
+
+quantization.linear.KERNELS is filled from QUANTIZED; layers.Linear calls `decode_linear`.
+Prefill (more than 16 rows) stays on BLAS.
+"""
+
+from .build import enabled, library
+from .layout import decode_linear
+from .ops import MAX_ROWS, linear_fp32, quantized_linear
+
+QUANTIZED = {fmt: quantized_linear for fmt in ("int8", "int4", "q8_0", "q4_0", "q4_1")}
+
+__all__ = ["MAX_ROWS", "QUANTIZED", "decode_linear", "enabled", "library", "linear_fp32", "quantized_linear"]

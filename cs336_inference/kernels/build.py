@@ -1,0 +1,127 @@
+"""Build decode.c on first use and load it with ctypes; None (and one line on stderr) if that fails.
+
+The shared library is cached under $CS336_KERNELS_CACHE (default ~/.cache/cs336_inference/kernels),
+named by a hash of the source, the compiler, its flags and this CPU's feature flags, so a changed
+source or another CPU builds anew and concurrent processes never see a half-written file.
+
+    CS336_KERNELS=0        never build or use the kernels (the readable PyTorch path runs)
+    CS336_KERNELS_CC=gcc   the C compiler (default: $CC, else gcc)
+
+Why a plain C file + ctypes: it builds in about a second with no torch headers (a
+torch.utils.cpp_extension build of the same kernels takes tens of seconds and needs ninja and the
+headers), and the per-call overhead through ctypes is a few microseconds, small next to a
+decode step's products (see the package docstring for the numbers).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("decode.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp"]
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def enabled() -> bool:
+    return os.environ.get("CS336_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "cs336_inference" / "kernels"
+    return Path(os.environ.get("CS336_KERNELS_CACHE", default))
+
+
+def _compile(cc: str, flags: list[str], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        target = Path(tmp) / out.name
+        subprocess.run(
+            [cc, *flags, str(SOURCE), "-o", str(target), "-lm"], check=True, capture_output=True, timeout=120
+        )
+        os.replace(target, out)  # atomic: another process sees the whole file or none
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    signatures = {
+        "cs336_f32_rows": [p, i64, i64, i64, p, i64, p, p, i32],
+        "cs336_f32_cols": [p, i64, i64, i64, p, i64, p, p, i32],
+        "cs336_int8": [p, i64, i64, i64, p, p, i64, p, p, i32],
+        "cs336_int4": [p, i64, i64, i64, p, p, p, i64, i64, p, p, i32],
+        "cs336_ggml": [i32, p, i64, i64, i64, p, i64, p, p, i32],
+    }
+    for name, args in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    lib.cs336_has_avx2.restype = ctypes.c_int
+
+
+def build(cc: str | None = None) -> ctypes.CDLL:
+    """Compile (or find in the cache) and load the library; raises on any failure."""
+    cc = cc or os.environ.get("CS336_KERNELS_CC") or os.environ.get("CC") or "gcc"
+    if shutil.which(cc) is None:
+        raise FileNotFoundError(f"no C compiler {cc!r} on PATH")
+    source = SOURCE.read_bytes()
+    last_error: Exception | None = None
+    for flags in (FLAGS, FLAGS[:-1]):  # without OpenMP if the compiler has none
+        key = hashlib.sha256(
+            b"\0".join([source, cc.encode(), " ".join(flags).encode(), _cpu_fingerprint().encode()])
+        )
+        path = cache_dir() / f"decode-{key.hexdigest()[:16]}.so"
+        try:
+            if not path.exists():
+                _compile(cc, flags, path)
+            lib = ctypes.CDLL(str(path))
+            _declare(lib)
+            return lib
+        except (OSError, subprocess.SubprocessError, AttributeError) as e:
+            last_error = e
+    stderr = getattr(last_error, "stderr", b"") or b""
+    detail = stderr.decode(errors="replace").strip().splitlines()[:1]
+    raise RuntimeError(f"{last_error}{': ' + detail[0] if detail else ''}")
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None when disabled or the build failed (said once on stderr)."""
+    global _lib, _tried
+    if _lib is not None or _tried:
+        return _lib
+    if not enabled():
+        return None  # checked again on the next call (a test may switch the variable)
+    if not _tried:
+        _tried = True
+        try:
+            _lib = build()
+        except Exception as e:  # no compiler, a failed build, a library that does not load
+            print(
+                f"cs336_inference.kernels: not built ({' '.join(str(e).split())[:200]}); using the PyTorch path",
+                file=sys.stderr,
+            )
+            _lib = None
+    return _lib
+
+
+def reset() -> None:
+    """Forget the loaded library (tests: build again, e.g. with another compiler)."""
+    global _lib, _tried
+    _lib, _tried = None, False

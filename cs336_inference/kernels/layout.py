@@ -1,0 +1,108 @@
+"""The fp32 decode path of layers.Linear: which weight layout and which product, chosen by measurement.
+
+For a decode-shaped call (1..16 rows) the fastest of four ways to compute x W^T depends on the CPU,
+its BLAS and the shape: torch's F.linear or our kernel, with W stored row-major ([O, I] contiguous)
+or column-major (W^T contiguous, how layers.transposed_empty allocates it). `plan(O, I)` times the
+four on random weights of that shape at M = 1 and M = 5 rows (once per shape and thread count per
+process, a few milliseconds for SmolLM2's shapes) and keeps the one with the smallest total.
+
+One product per shape for every M in 1..16, never a switch between M = 1 and M = 2: with our
+kernel, a row's result is then bitwise the same whatever the number of rows (what speculative
+verification relies on); BLAS gives no such promise.
+
+CS336_KERNELS_FP32=ours | torch | auto (default) forces the product (the layout is still measured).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import build
+from .ops import MAX_ROWS, linear_fp32
+
+_plans: dict[tuple[int, int, int, str], Plan] = {}
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: str  # "rows" | "cols"
+    product: str  # "ours" | "torch"
+    seconds: dict[str, float]  # the measured candidates, "product/layout" -> seconds (M = 1 plus M = 5)
+
+
+def _stored(w: Tensor, layout: str) -> Tensor:
+    return w.contiguous() if layout == "rows" else w.t().contiguous().t()
+
+
+def _median_time(fn, repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure(d_out: int, d_in: int, force: str = "auto") -> Plan:
+    """Time the four (product, layout) candidates for an [O, I] weight; the fastest one's Plan."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(d_out, d_in, generator=g)
+    xs = [torch.randn(m, d_in, generator=g) for m in (1, 5)]
+    seconds = {}
+    for layout in ("cols", "rows"):
+        stored = _stored(w, layout)
+        for product in ("torch", "ours"):
+            if force != "auto" and product != force:
+                continue
+            if product == "ours":
+                seconds[f"ours/{layout}"] = sum(
+                    _median_time(lambda x=x, w=stored: linear_fp32(x, w)) for x in xs
+                )
+            else:
+                seconds[f"torch/{layout}"] = sum(
+                    _median_time(lambda x=x, w=stored: F.linear(x, w)) for x in xs
+                )
+    best = min(seconds, key=seconds.get)
+    product, layout = best.split("/")
+    return Plan(layout, product, seconds)
+
+
+def plan(d_out: int, d_in: int) -> Plan:
+    force = os.environ.get("CS336_KERNELS_FP32", "auto")
+    key = (d_out, d_in, torch.get_num_threads(), force)
+    if key not in _plans:
+        _plans[key] = measure(d_out, d_in, force if build.library() is not None else "torch")
+    return _plans[key]
+
+
+def decode_linear(layer, x: Tensor) -> Tensor | None:
+    """y = layer(x) for a decode-shaped x through the planned product (None: let F.linear run).
+
+    The first call for a layer may re-store its weight in the planned layout (same values and
+    shape; only the strides change).
+    """
+    weight = layer.weight
+    if (
+        x.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or x.device.type != "cpu"
+        or x.numel() > MAX_ROWS * x.shape[-1]
+        or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+        or build.library() is None
+    ):
+        return None
+    p = plan(*weight.shape)
+    is_rows = weight.is_contiguous()
+    if (p.layout == "rows") != is_rows:
+        with torch.no_grad():
+            weight.data = _stored(weight.data, p.layout)
+    return linear_fp32(x, weight, layer.bias) if p.product == "ours" else None

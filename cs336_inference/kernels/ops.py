@@ -1,0 +1,109 @@
+"""Python side of the kernels: check the arguments, allocate y, call the C function.
+
+Every function returns None (the caller runs its readable PyTorch path) unless the kernels are
+built and the call is a decode shape they handle: float32 x on the CPU with 1..MAX_ROWS rows, no
+autograd graph to build. The checks are kept cheap: a decode step of SmolLM2 makes 211 calls.
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from . import build
+from .cuda import int8_weight_only
+
+MAX_ROWS = 16  # more rows (prefill) stay on BLAS
+GGML = {"q8_0": 3, "q4_0": 4, "q4_1": 5}  # the format codes of decode.c
+
+
+def _rows(x: Tensor, d_in: int, needs_grad: bool) -> tuple[Tensor, int, int] | None:
+    """(x, M, ldx): x as M rows of d_in float32 numbers, row i at x.data_ptr() + 4 * i * ldx; None if
+    this is not a decode-shaped call."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != d_in:
+        return None
+    if (needs_grad or x.requires_grad) and torch.is_grad_enabled():
+        return None
+    if not x.is_contiguous():
+        x = x.reshape(-1, d_in)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        M, ldx = x.shape[0], x.stride(0)
+    else:
+        M, ldx = x.numel() // d_in, d_in
+    return (x, M, ldx) if 1 <= M <= MAX_ROWS else None
+
+
+def linear_fp32(
+    x: Float[Tensor, "... I"], weight: Float[Tensor, "O I"], bias: Tensor | None = None
+) -> Float[Tensor, "... O"] | None:
+    """x W^T + b with W row-major ([O, I] contiguous) or column-major (W^T contiguous); None: not handled."""
+    lib = build.library()
+    if lib is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    d_out, d_in = weight.shape
+    rows = _rows(x, d_in, weight.requires_grad or (bias is not None and bias.requires_grad))
+    if rows is None:
+        return None
+    if weight.is_contiguous():
+        fn = lib.cs336_f32_rows
+    elif weight.stride() == (1, d_out):
+        fn = lib.cs336_f32_cols
+    else:
+        return None
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    x2, M, ldx = rows
+    y = torch.empty(*x.shape[:-1], d_out)
+    fn(x2.data_ptr(), M, d_in, ldx, weight.data_ptr(), d_out, bias if bias is None else bias.data_ptr(), y.data_ptr(),
+       torch.get_num_threads())  # fmt: skip
+    return y
+
+
+def quantized_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"] | None:
+    """The KERNELS entry of quantization.linear: y = x dequantize(stored)^T + b from the stored bytes."""
+    q = layer.qweight
+    if q.device.type != "cpu":  # the GPU path (kernels/cuda.py) needs no build
+        return int8_weight_only(layer, x) if q.device.type == "cuda" and build.enabled() else None
+    lib = build.library()
+    if lib is None:
+        return None
+    rows = _rows(x, layer.d_in, False)
+    if rows is None:
+        return None
+    x2, M, ldx = rows
+    d_out, threads, bias = layer.d_out, torch.get_num_threads(), layer.bias
+    bias = None if bias is None else bias.data_ptr() if bias.dtype == torch.float32 else False
+    if bias is False:
+        return None
+    y = torch.empty(*x.shape[:-1], d_out)
+    fmt = layer.fmt
+    if fmt == "int8":
+        lib.cs336_int8(
+            x2.data_ptr(),
+            M,
+            layer.d_in,
+            ldx,
+            q.data_ptr(),
+            layer.scale.data_ptr(),
+            d_out,
+            bias,
+            y.data_ptr(),
+            threads,
+        )
+    elif fmt == "int4":
+        scale, zero = layer.scale, layer.zero
+        if scale.dtype != torch.float16:
+            return None
+        lib.cs336_int4(
+            x2.data_ptr(), M, layer.d_in, ldx, q.data_ptr(), scale.data_ptr(), zero.data_ptr(), scale.shape[1], d_out,
+            bias, y.data_ptr(), threads,
+        )  # fmt: skip
+    elif fmt in GGML:
+        lib.cs336_ggml(
+            GGML[fmt], x2.data_ptr(), M, layer.d_in, ldx, q.data_ptr(), d_out, bias, y.data_ptr(), threads
+        )
+    else:
+        return None
+    return y

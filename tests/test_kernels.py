@@ -1,0 +1,296 @@
+"""The decode kernels (cs336_inference/kernels): equal to the readable references, a row's result
+independent of the rows beside it, and optional (disabled or unbuildable, the PyTorch path runs)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cs336_inference import kernels
+from cs336_inference.config import ModelConfig
+from cs336_inference.kernels import build
+from cs336_inference.layers import Linear
+from cs336_inference.model import TransformerLM
+from cs336_inference.quantization import QuantizedLinear, quantize_model
+from cs336_inference.sampling import generate
+
+# (name, d_out, d_in, group_size): widths that are not multiples of the 32-wide blocks of the kernels
+# where the format allows it, and an odd number of outputs (the kernels take output rows in pairs)
+CASES = [
+    ("fp32_rows", 37, 70, None),
+    ("fp32_cols", 37, 70, None),
+    ("fp32_cols", 45, 96, None),  # one whole 32-column tile and a partial one
+    ("int8", 37, 70, None),
+    ("int8", 33, 64, None),
+    ("int4", 37, 70, 10),  # groups that are not whole 32-blocks: the scalar path
+    ("int4", 33, 128, 64),  # the vector path
+    ("int4", 21, 96, 32),
+    ("q8_0", 37, 96, None),
+    ("q4_0", 37, 96, None),
+    ("q4_1", 37, 96, None),
+]
+IDS = [f"{name}-{o}x{i}" + (f"-g{g}" if g else "") for name, o, i, g in CASES]
+
+
+@pytest.fixture
+def kernels_on(monkeypatch):
+    monkeypatch.delenv("CS336_KERNELS", raising=False)
+    monkeypatch.setenv("CS336_KERNELS_FP32", "ours")  # the fp32 Linear takes our kernel at every shape
+    build.reset()
+    if build.library() is None:
+        pytest.skip("the kernels could not be built here (no C compiler?)")
+    yield
+    build.reset()
+
+
+@pytest.fixture
+def kernels_off(monkeypatch):
+    monkeypatch.setenv("CS336_KERNELS", "0")
+    build.reset()
+    yield
+    build.reset()
+
+
+def make_layer(name: str, d_out: int, d_in: int, group_size: int | None, bias: bool = True):
+    """(forward, kernel, w64, b64): the layer's forward, its kernel called directly (None: declined),
+    and the float64 weight and bias it must compute with."""
+    g = torch.Generator().manual_seed(d_out * 1000 + d_in)
+    w = torch.randn(d_out, d_in, generator=g)
+    b = torch.randn(d_out, generator=g) if bias else None
+    if name.startswith("fp32"):
+        # the layer's own forward re-stores its weight in the layout measured fastest, so the two
+        # layouts are checked on the kernel directly; the layer runs its decode path as it decides
+        stored = w.contiguous() if name == "fp32_rows" else w.t().contiguous().t()
+        layer = Linear(d_in, d_out, bias=bias).requires_grad_(False)
+        with torch.no_grad():
+            layer.weight.data = stored.clone()
+            if bias:
+                layer.bias.copy_(b)
+        return (
+            layer,
+            lambda x: kernels.linear_fp32(x, stored, b),
+            w.double(),
+            None if b is None else b.double(),
+        )
+    layer = QuantizedLinear.from_weight(w, name, group_size=group_size, bias=b)
+    kernel = lambda x: kernels.quantized_linear(layer, x)  # noqa: E731
+    return layer, kernel, layer.dequantize().double(), None if b is None else b.double()
+
+
+def inputs(M: int, d_in: int, layout: str, seed: int = 0) -> torch.Tensor:
+    """M rows of d_in numbers as a contiguous [1, M, I] tensor, or as a strided view of a bigger one."""
+    g = torch.Generator().manual_seed(seed)
+    if layout == "contiguous":
+        return torch.randn(1, M, d_in, generator=g)
+    if layout == "strided_rows":  # rows further apart than d_in (a slice of a wider tensor)
+        return torch.randn(M, d_in + 5, generator=g)[:, 3 : 3 + d_in]
+    return torch.randn(d_in, M, generator=g).t()  # transposed: no unit stride along I
+
+
+def assert_close_to_reference(y, x, w64, b64, what):
+    ref = F.linear(x.double(), w64, b64)
+    bound = F.linear(x.double().abs(), w64.abs()) + (0 if b64 is None else b64.abs())
+    err = (y.double() - ref).abs()
+    worst = (err / bound).max().item()
+    assert worst < 1e-5, f"{what}: error up to {worst:.3g} of sum |x||w| (float32 rounding is ~1e-7)"
+
+
+@pytest.mark.parametrize("mode", ["kernel", "fallback"])
+@pytest.mark.parametrize(("name", "d_out", "d_in", "group_size"), CASES, ids=IDS)
+def test_forward_equals_the_reference_for_1_to_16_rows(request, mode, name, d_out, d_in, group_size):
+    request.getfixturevalue("kernels_on" if mode == "kernel" else "kernels_off")
+    layer, kernel, w64, b64 = make_layer(name, d_out, d_in, group_size)
+    with torch.inference_mode():
+        for M in range(1, 17):
+            for layout in ("contiguous", "strided_rows", "transposed"):
+                x = inputs(M, d_in, layout, seed=M)
+                what = f"{name} {mode}, M={M}, {layout} x"
+                y = layer(x)
+                assert y.shape == (*x.shape[:-1], d_out)
+                assert_close_to_reference(y, x, w64, b64, what)
+                direct = kernel(x)
+                if mode == "fallback":
+                    assert direct is None, f"{what}: a disabled kernel ran"
+                    continue
+                assert direct is not None, f"{what}: the kernel declined"
+                assert_close_to_reference(direct, x, w64, b64, what + " (kernel)")
+                if not name.startswith("fp32"):
+                    assert torch.equal(direct, y), f"{what}: the layer did not use the kernel"
+
+
+@pytest.mark.parametrize(("name", "d_out", "d_in", "group_size"), CASES, ids=IDS)
+def test_a_rows_result_does_not_depend_on_the_other_rows(kernels_on, name, d_out, d_in, group_size):
+    """Bitwise: row m alone, in the first M rows, with 1 or 2 threads: the same float32 numbers."""
+    _, layer, _, _ = make_layer(name, d_out, d_in, group_size)
+    x = inputs(16, d_in, "contiguous", seed=7)[0]
+    with torch.inference_mode():
+        full = layer(x)
+        for M in range(1, 16):
+            assert torch.equal(layer(x[:M]), full[:M]), (
+                f"{name}: the first {M} rows differ from the 16-row call"
+            )
+        for m in (0, 5, 15):
+            assert torch.equal(layer(x[m : m + 1]), full[m : m + 1]), f"{name}: row {m} alone differs"
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(2)
+            assert torch.equal(layer(x), full), f"{name}: 2 threads give other numbers than 1"
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_prefill_and_autograd_stay_on_the_pytorch_path(kernels_on):
+    layer, _, _, _ = make_layer("int8", 37, 70, None)
+    x = torch.randn(17, 70)
+    assert kernels.quantized_linear(layer, x) is None, "17 rows: prefill stays on BLAS"
+    lin = Linear(70, 37)  # requires_grad weights, grad mode on: the kernel must not cut the graph
+    y = lin(torch.randn(2, 70))
+    assert y.requires_grad and y.grad_fn is not None
+    assert kernels.quantized_linear(layer, torch.randn(2, 70, dtype=torch.float64)) is None
+
+
+def test_kernels_disabled_by_the_environment(kernels_off):
+    assert build.library() is None
+    layer, _, _, _ = make_layer("q4_0", 37, 96, None)
+    assert kernels.quantized_linear(layer, torch.randn(2, 96)) is None
+
+
+def tiny_model(seed: int = 0) -> TransformerLM:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(
+        vocab_size=97,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=96,
+        max_seq_len=64,
+        tie_embeddings=True,
+    )
+    return TransformerLM(cfg).eval()
+
+
+def test_a_failed_build_is_one_line_on_stderr_and_the_model_still_runs(monkeypatch, tmp_path, capfd):
+    model = tiny_model()
+    prompt = torch.tensor([5, 7, 11, 13])
+    monkeypatch.setenv("CS336_KERNELS", "0")
+    build.reset()
+    expected = generate(model, prompt, 8, stop_token_ids=[])
+    capfd.readouterr()
+    monkeypatch.delenv("CS336_KERNELS")
+    monkeypatch.setenv("CS336_KERNELS_CC", "false")  # a "compiler" that always fails
+    monkeypatch.setenv("CS336_KERNELS_CACHE", str(tmp_path))  # nothing built before
+    monkeypatch.setenv("CS336_KERNELS_FP32", "ours")
+    build.reset()
+    try:
+        qmodel = quantize_model(model, "q8_0")
+        tokens = generate(model, prompt, 8, stop_token_ids=[])
+        qmodel(prompt[None])
+        generate(qmodel, prompt, 4, stop_token_ids=[])
+        err = capfd.readouterr().err
+        lines = [line for line in err.splitlines() if "kernels" in line]
+        assert len(lines) == 1 and "not built" in lines[0], f"expected one line about the build, got {err!r}"
+        assert torch.equal(tokens, expected)
+    finally:
+        build.reset()
+
+
+def test_greedy_tokens_of_a_tiny_model_with_and_without_kernels(monkeypatch):
+    prompt = torch.tensor([5, 7, 11, 13, 2])
+    for method in (None, "int8", "int4", "q4_1"):
+        model = tiny_model(1)
+        model = (
+            model
+            if method is None
+            else quantize_model(model, method, group_size=32 if method == "int4" else None)
+        )
+        monkeypatch.setenv("CS336_KERNELS", "0")
+        build.reset()
+        off = generate(model, prompt, 24, stop_token_ids=[])
+        monkeypatch.setenv("CS336_KERNELS", "1")
+        monkeypatch.setenv("CS336_KERNELS_FP32", "ours")
+        build.reset()
+        if build.library() is None:
+            pytest.skip("the kernels could not be built here")
+        on = generate(model, prompt, 24, stop_token_ids=[])
+        assert torch.equal(on, off), f"{method or 'fp32'}: {on.tolist()} != {off.tolist()}"
+    build.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fp32", "int8", "int4"])
+def test_smollm2_greedy_tokens_with_and_without_kernels(monkeypatch, method):
+    """64 greedy tokens of SmolLM2: with the kernels == without (the reference path), exactly.
+
+    For fp32 the kernel is forced at every shape (CS336_KERNELS_FP32=ours). For int8 / int4 the
+    reference is the same quantized model through dequantize-then-F.linear; both round differently
+    from each other only in float32 summation order, far below the gaps between greedy logits here.
+    """
+    from cs336_inference.checkpoint import default_model_path, load_pretrained
+
+    path = default_model_path()
+    if not path.exists():
+        pytest.skip(f"no SmolLM2 checkpoint at {path}")
+    model = load_pretrained(path, dtype=torch.float32)
+    if method != "fp32":
+        model = quantize_model(model, method)
+    prompt = torch.tensor([504, 3458, 282, 4967, 314, 253, 1345, 28, 216, 1032, 314])
+    monkeypatch.setenv("CS336_KERNELS", "0")
+    build.reset()
+    off = generate(model, prompt, 64, stop_token_ids=[])
+    monkeypatch.setenv("CS336_KERNELS", "1")
+    monkeypatch.setenv("CS336_KERNELS_FP32", "ours")
+    build.reset()
+    if build.library() is None:
+        pytest.skip("the kernels could not be built here")
+    on = generate(model, prompt, 64, stop_token_ids=[])
+    build.reset()
+    first = next((i for i, (a, b) in enumerate(zip(on.tolist(), off.tolist(), strict=True)) if a != b), None)
+    assert first is None, (
+        f"{method}: tokens differ from step {first}: {on[first:].tolist()} vs {off[first:].tolist()}"
+    )
+
+
+def _cuda_ms(fn, repeats: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+@pytest.mark.cuda
+def test_cuda_int8_weight_only_decode_beats_bf16_on_a_bandwidth_bound_layer():
+    """gpt-fast's int8 weight-only product reads half the bytes of bf16: faster at M = 1."""
+    torch.manual_seed(0)
+    w = torch.randn(8192, 8192, device="cuda")
+    layer = QuantizedLinear.from_weight(w, "int8").cuda()
+    w16, x = w.bfloat16(), torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        y = layer(x)
+        torch.testing.assert_close(y.float(), F.linear(x.float(), layer.dequantize()), rtol=2e-2, atol=2e-1)
+        t_int8, t_bf16 = _cuda_ms(lambda: layer(x)), _cuda_ms(lambda: F.linear(x, w16))
+    assert t_int8 < t_bf16, f"int8 {t_int8:.3f} ms vs bf16 {t_bf16:.3f} ms"
+
+
+@pytest.mark.cuda
+def test_cuda_five_token_verify_costs_under_1_5x_a_one_token_step():
+    cfg = ModelConfig(
+        vocab_size=32000, d_model=2048, n_layers=8, n_heads=16, n_kv_heads=4, d_ff=5632, max_seq_len=512
+    )
+    model = TransformerLM(cfg).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 64), device="cuda")
+    with torch.inference_mode():
+        cache = model.new_cache(1, 128)
+        model(ids, cache=cache)
+
+        def step(T):
+            model(ids[:, :T], cache=cache)
+            cache.truncate(64)
+
+        t1, t5 = _cuda_ms(lambda: step(1), 20), _cuda_ms(lambda: step(5), 20)
+    assert t5 < 1.5 * t1, f"5-token forward {t5:.2f} ms vs 1-token {t1:.2f} ms"
