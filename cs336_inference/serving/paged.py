@@ -314,12 +314,14 @@ def paged_attention(
     key step j iff j <= i (and i - window < j with a window): `attention_mask`. Same result as
     `attend` over a contiguous cache holding those steps.
     """
+    # BEGIN SOLUTION paged_attention
     S = start + q.shape[1]
     k = rearrange(gather_blocks(k_store, block_table, S), "s k h -> 1 k s h")
     v = rearrange(gather_blocks(v_store, block_table, S), "s k h -> 1 k s h")
     steps = torch.arange(S, device=q.device)
     mask = attention_mask(steps[start:], steps, window)
     return attend(q[None], k, v, mask, scale)[0]
+    # END SOLUTION
 
 
 class PagedKVCache:
