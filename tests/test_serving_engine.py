@@ -435,7 +435,7 @@ def test_scheduler_decodes_first_and_caps_the_batch():
     assert [s.request_id for s in sched.waiting] == ["r2"], "r2 still waits for a free place in the batch"
 
 
-@pytest.mark.graded(problem="scheduler", points=3)
+@pytest.mark.graded(problem="scheduler", points=2)
 def test_scheduler_preempts_the_newest_when_blocks_run_out():
     sched = make_scheduler(4, 2, max_tokens=16)
     s0, s1 = make_seq(0, 3), make_seq(1, 3)
@@ -443,10 +443,11 @@ def test_scheduler_preempts_the_newest_when_blocks_run_out():
     for _ in range(2):  # prefill both (2 blocks each: all 4 used), then one decode step each
         complete(sched.schedule())
     assert sched.blocks.num_free == 0 and s0.remaining == 1 == s1.remaining, "setup: 4 of 4 blocks in use"
+    sched.max_batch_tokens = 3
     third = sched.schedule()
     assert names(third) == [("r0", 1)], (
         f"r0 needs a third block and none is free: scheduled {names(third)}, expected only r0 (r1, the newest, "
-        "preempted to make room)"
+        "preempted to make room, and not admitted again in the step that preempted it)"
     )
     assert [s.request_id for s in sched.running] == ["r0"] and list(sched.waiting) == [s1], (
         f"after preempting r1: running {[s.request_id for s in sched.running]}, waiting "
@@ -462,10 +463,35 @@ def test_scheduler_preempts_the_newest_when_blocks_run_out():
     )
     complete(third)
     fourth = sched.schedule()
-    assert names(fourth) == [("r0", 1)] and list(sched.waiting) == [s1] and s1.table.blocks == [], (
-        f"r1 (5 tokens: 3 blocks) cannot fit in the 1 free block: scheduled {names(fourth)}, r1 holds "
-        f"{s1.table.blocks}; it must wait without keeping blocks"
+    assert names(fourth) == [("r0", 1), ("r1", 2)], (
+        f"next step, budget 3: scheduled {names(fourth)}, expected r0's decode and the first 2 of r1's 5 "
+        "tokens (prompt and output, recomputed) in the free block"
     )
+
+
+@pytest.mark.graded(problem="scheduler", points=1)
+def test_scheduler_admission_stops_at_the_first_request_that_does_not_fit():
+    sched = make_scheduler(4, 2, max_tokens=20)
+    s0 = make_seq(0, 4)
+    sched.waiting.append(s0)
+    complete(sched.schedule())  # r0: 4 tokens, 2 blocks
+    sched.blocks.register_full_blocks(s0.table, s0.token_ids, s0.num_computed)
+    s1 = make_seq(1, 7)
+    s1.token_ids[:2] = s0.token_ids[:2]  # shares r0's first block: the prefix cache finds it
+    s2 = make_seq(2, 1)
+    sched.waiting.extend([s1, s2])
+    got = sched.schedule()
+    assert names(got) == [("r0", 1)], (
+        f"scheduled {names(got)}: r0 decodes into a third block; r1 needs 3 more blocks for its 7 tokens and "
+        "1 is free, so it waits, and r2 behind it waits too (first come, first served: skipping r1 could "
+        "starve it)"
+    )
+    assert list(sched.waiting) == [s1, s2], f"waiting: {[s.request_id for s in sched.waiting]}"
+    assert s1.table.blocks == [] and s1.num_computed == 0, (
+        f"r1 was not admitted but holds blocks {s1.table.blocks} (num_computed {s1.num_computed}): the blocks "
+        "its prefix lookup took must be given back"
+    )
+    assert sched.blocks.ref_count(s0.table.blocks[0]) == 1, "r0's first block still counts r1 as an owner"
 
 
 @pytest.mark.graded(problem="scheduler", points=1)
