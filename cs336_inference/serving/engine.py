@@ -330,16 +330,15 @@ class LLMEngine:
         ids = [t for seq, n in scheduled for t in seq.token_ids[seq.num_computed : seq.num_computed + n]]
         logits = self.model.forward_paged(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
         self.computed_tokens += len(ids)
-        now = time.perf_counter()
-        for i, (seq, n) in enumerate(scheduled):
+        for seq, n in scheduled:
             seq.num_computed += n
             self.blocks.register_full_blocks(seq.table, seq.token_ids, seq.num_computed)
-            if seq.remaining > 0:  # a prompt chunk: nothing to sample yet
-                continue
+        rows = [i for i, (seq, _) in enumerate(scheduled) if seq.remaining == 0]  # the rest: prompt chunks
+        tokens = self._sample(logits, [scheduled[i][0] for i in rows], rows)
+        now = time.perf_counter()
+        for i, token in zip(rows, tokens, strict=True):
+            seq = scheduled[i][0]
             p = seq.params
-            token = int(
-                sample_next_token(logits[i : i + 1], p.temperature, p.top_k, p.top_p, seq.generator)[0]
-            )
             seq.token_ids.append(token)
             self.generated_tokens += 1
             if seq.first_token_time is None:
@@ -353,6 +352,22 @@ class LLMEngine:
                 self._finish(seq, reason)
             outputs.append(RequestOutput(seq.request_id, [token], reason is not None, reason))
         return outputs
+
+    def _sample(self, logits: Tensor, seqs: list[Sequence_], rows: list[int]) -> list[int]:
+        """Next token of each sequence from its row of logits: greedy rows in one argmax, sampled rows
+        one by one with their own parameters and generator (so a seed draws as in `generate`)."""
+        tokens: list[int | None] = [None] * len(seqs)
+        greedy = [j for j, seq in enumerate(seqs) if seq.params.temperature == 0.0]
+        if greedy:
+            picked = logits[[rows[j] for j in greedy]].argmax(dim=-1).tolist()
+            for j, token in zip(greedy, picked, strict=True):
+                tokens[j] = token
+        for j, seq in enumerate(seqs):
+            if tokens[j] is None:
+                p = seq.params
+                row = logits[rows[j] : rows[j] + 1]
+                tokens[j] = int(sample_next_token(row, p.temperature, p.top_k, p.top_p, seq.generator)[0])
+        return tokens
 
     def generate(
         self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None

@@ -401,29 +401,36 @@ class PagedBatch:
     """
 
     def __init__(self, cache: PagedKVCache, spans: list[tuple[list[int], int, int]], device):
-        """spans: (block table, start, n) per sequence, in row order."""
+        """spans: (block table, start, n) per sequence, in row order.
+
+        The index tensors are built on the CPU and moved to `device` once (no per-sequence transfers).
+        """
         self.cache = cache
         self.spans: list[SeqSpan] = []
         positions, slots, offset = [], [], 0
         for blocks, start, n in spans:
-            table = torch.tensor(blocks, dtype=torch.long, device=device)
+            table = torch.tensor(blocks, dtype=torch.long)
             self.spans.append(SeqSpan(offset, start, n, table))
-            positions.append(torch.arange(start, start + n, device=device))
+            positions.append(torch.arange(start, start + n))
             slots.append(slot_mapping(table, start, start + n, cache.block_size))
             offset += n
-        self.positions: Int[Tensor, " T"] = torch.cat(positions)
-        self.slots: Int[Tensor, " T"] = torch.cat(slots)
-        self.last = torch.tensor([s.offset + s.n - 1 for s in self.spans], dtype=torch.long, device=device)
-        # the one-token spans, batched: their row index, padded block tables and lengths
+        positions = torch.cat(positions)
+        self.max_position = int(positions.max())
+        self.positions: Int[Tensor, " T"] = positions.to(device)
+        self.slots: Int[Tensor, " T"] = torch.cat(slots).to(device)
+        self.last = torch.tensor([s.offset + s.n - 1 for s in self.spans]).to(device)
+        # the one-token spans (decoding), batched: their row index, padded block tables and lengths
         single = [s for s in self.spans if s.n == 1]
-        self.chunks = [s for s in self.spans if s.n > 1]
-        self.single_idx = torch.tensor([s.offset for s in single], dtype=torch.long, device=device)
+        self.single_idx = torch.tensor([s.offset for s in single], dtype=torch.long).to(device)
         if single:
-            width = max(len(s.block_table) for s in single)
-            self.single_tables = torch.zeros(len(single), width, dtype=torch.long, device=device)
+            tables = torch.zeros(len(single), max(len(s.block_table) for s in single), dtype=torch.long)
             for b, s in enumerate(single):
-                self.single_tables[b, : len(s.block_table)] = s.block_table
-            self.single_lengths = torch.tensor([s.start + 1 for s in single], device=device)
+                tables[b, : len(s.block_table)] = s.block_table
+            self.single_tables = tables.to(device)
+            self.single_lengths = torch.tensor([s.start + 1 for s in single]).to(device)
+        self.chunks = [s for s in self.spans if s.n > 1]
+        for s in self.chunks:
+            s.block_table = s.block_table.to(device)
         self._masks: dict = {}
 
     def write(self, layer: int, *new: Tensor) -> None:
