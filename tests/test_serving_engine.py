@@ -679,3 +679,53 @@ def test_abort_frees_blocks_and_bad_requests_are_one_line_errors():
             engine.add_request(prompt, params)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([1], SamplingParams(max_new_tokens=2), request_id=keep)
+
+
+# ====================================================================================== CUDA
+@pytest.mark.cuda
+def test_engine_on_cuda_equals_generate():
+    model = tiny_model("gqa", torch.float32).cuda()
+    prompts, params, arrivals = random_workload(24, seed=4, max_prompt=30)
+    engine = LLMEngine(model, num_blocks=12, block_size=4, max_batch_tokens=16, max_batch_seqs=6)
+    outs = run_with_arrivals(engine, prompts, params, arrivals, check=check_block_accounting)
+    assert engine.stats()["free_blocks"] == 12
+    assert_same_as_alone(model, prompts, params, outs)
+
+
+@pytest.mark.cuda
+def test_batched_decode_of_16_sequences_costs_less_than_3x_one():
+    """Decode is memory-bound: one step reads every weight once, for 1 sequence or for 16 (Part 3).
+    A SmolLM2-shaped model (random weights, bf16); CUDA events around whole engine steps after warm-up."""
+    cfg = ModelConfig(
+        vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536, max_seq_len=2048,
+        tie_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = TransformerLM(cfg).to(torch.bfloat16).eval()
+
+    def median_step_ms(B: int) -> float:
+        engine = LLMEngine(
+            model, num_blocks=16 * B + 16, block_size=16, max_batch_tokens=8192, max_batch_seqs=16
+        )
+        g = torch.Generator().manual_seed(B)
+        for _ in range(B):
+            engine.add_request(
+                torch.randint(0, 49152, (128,), generator=g), SamplingParams(max_new_tokens=64)
+            )
+        engine.step()  # prefill of all B prompts
+        for _ in range(5):
+            engine.step()
+        times = []
+        for _ in range(21):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            outs = engine.step()
+            end.record()
+            torch.cuda.synchronize()
+            assert len(outs) == B, f"batch {B}: a step produced {len(outs)} tokens"
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    one, sixteen = median_step_ms(1), median_step_ms(16)
+    assert sixteen < 3 * one, f"a decode step of 16 sequences took {sixteen:.2f} ms, of one {one:.2f} ms"
