@@ -13,7 +13,7 @@ from einops import rearrange
 from cs336_inference import ModelConfig, TransformerLM, generate
 from cs336_inference.attention import attend, attention_mask
 from cs336_inference.serving import LLMEngine, SamplingParams
-from cs336_inference.serving.engine import Scheduler, Sequence_
+from cs336_inference.serving.engine import Request, Scheduler
 from cs336_inference.serving.paged import (
     BlockAllocator,
     BlockManager,
@@ -368,9 +368,9 @@ def make_scheduler(num_blocks: int, block_size: int, max_tokens: int, max_seqs: 
     return Scheduler(BlockManager(num_blocks, block_size), lambda src, dst: None, max_tokens, max_seqs)
 
 
-def make_seq(i: int, n: int) -> Sequence_:
+def make_seq(i: int, n: int) -> Request:
     tokens = [(7 * i + 3 * t) % 50 + 1 for t in range(n)]
-    return Sequence_(f"r{i}", tokens, n, SamplingParams(), 0.0, i)
+    return Request(f"r{i}", tokens, n, SamplingParams(), 0.0, i)
 
 
 def complete(scheduled) -> None:
