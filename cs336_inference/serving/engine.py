@@ -75,13 +75,14 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests are never "equal"
 class Request:
     """One request inside the engine: its tokens (prompt + output so far) and its KV blocks.
 
-    num_computed = how many of token_ids have their K/V in the cache. A sequence is prefilling while
-    num_computed < len(token_ids) - 1 ... and samples its next token in the step that computes its
-    last token. After preemption num_computed = 0: prompt and output are recomputed together.
+    num_computed = how many of token_ids have their K/V in the cache; remaining = the rest: 1 while
+    decoding (the newest token's K/V is computed in the next step), more while the prompt is being
+    prefilled. The step that computes a sequence's last token samples its next one. After
+    preemption num_computed = 0: prompt and output so far are recomputed together.
     """
 
     request_id: str
@@ -89,7 +90,7 @@ class Request:
     num_prompt: int
     params: SamplingParams
     arrival: float
-    order: int  # admission order for the scheduler (smaller = older)
+    order: int  # arrival counter (the running list itself is kept in admission order)
     generator: torch.Generator | None = None
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0
