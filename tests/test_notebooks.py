@@ -33,6 +33,7 @@ EXPECTED = {
     "04_quantization.ipynb",
     "05_speculative.ipynb",
     "06_pruning.ipynb",
+    "07_serving.ipynb",
 }
 CELL_TIMEOUT = 600  # seconds per cell; the notebooks take well under 2 minutes on an idle CPU
 HANDOUT = REPO / "assignments" / "handout.md"
