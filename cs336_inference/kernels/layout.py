@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import build
 from .ops import MAX_ROWS, linear_fp32
@@ -97,12 +98,14 @@ def decode_linear(layer, x: Tensor) -> Tensor | None:
         or x.device.type != "cpu"
         or x.numel() > MAX_ROWS * x.shape[-1]
         or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+        or _get_current_dispatch_mode() is not None  # FLOP counting, tracing: keep the op visible
         or build.library() is None
     ):
         return None
     p = plan(*weight.shape)
     is_rows = weight.is_contiguous()
     if (p.layout == "rows") != is_rows:
-        with torch.no_grad():
+        # A normal tensor even under inference_mode, so the model can still be trained afterwards.
+        with torch.inference_mode(False), torch.no_grad():
             weight.data = _stored(weight.data, p.layout)
     return linear_fp32(x, weight, layer.bias) if p.product == "ours" else None
