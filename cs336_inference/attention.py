@@ -11,6 +11,7 @@ MLA   keys and values are up-projected from a small latent c_kv that is all the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from einops import rearrange
@@ -109,6 +110,7 @@ class ForwardContext:
     cache: KVCache | None = None
     masks: dict = field(default_factory=dict)
     kv: dict = field(default_factory=dict)  # layer -> (k, v, steps), for CLA borrowers
+    paged: Any = None  # serving.paged.PagedBatch: K/V in paged blocks, attention per sequence
 
     def mask(self, steps: Tensor, window: int | None, store) -> Tensor | None:
         """The mask for these key steps, built once per forward for each kind of layer."""
@@ -150,10 +152,18 @@ class Attention(nn.Module):
         """
         H = self.head_dim
         q = apply_rope(rearrange(self.q_proj(x), "b t (n h) -> b n t h", h=H), ctx.cos, ctx.sin)
-        store = ctx.cache.layers[self.owner] if ctx.cache is not None else None
         if self.owner == self.layer:
             k = apply_rope(rearrange(self.k_proj(x), "b t (k h) -> b k t h", h=H), ctx.cos, ctx.sin)
             v = rearrange(self.v_proj(x), "b t (k h) -> b k t h", h=H)
+        if ctx.paged is not None:  # serving: K/V live in paged blocks, each sequence attends over its own
+            if self.owner == self.layer:
+                ctx.paged.write(self.layer, k, v)
+            out = ctx.paged.attend(
+                self.owner, self.window, lambda k, v, mask, t: attend(q[:, :, t], k, v, mask, self.scale)
+            )
+            return self.o_proj(rearrange(out, "b n t h -> b t (n h)"))
+        store = ctx.cache.layers[self.owner] if ctx.cache is not None else None
+        if self.owner == self.layer:
             if store is not None:
                 k, v, steps = store.update(k, v, ctx.start)
             else:
@@ -218,7 +228,6 @@ class MLA(nn.Module):
         return apply_rope(x, ctx.cos, ctx.sin)
 
     def forward(self, x: Float[Tensor, "B T D"], ctx: ForwardContext) -> Float[Tensor, "B T D"]:
-        T = x.shape[1]
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
         q = rearrange(q, "b t (n d) -> b n t d", n=self.n_heads)
         q_nope, q_pe = q.split([self.nope, self.p], dim=-1)
@@ -226,19 +235,26 @@ class MLA(nn.Module):
         c_kv, k_pe = self.kv_a_proj(x).split([self.r, self.p], dim=-1)
         c_kv = self.kv_a_norm(c_kv)
         k_pe = self._rope(k_pe[:, None], ctx)[:, 0]  # one rotary key for all heads
+        if ctx.paged is not None:  # serving: each sequence attends over its paged latents
+            ctx.paged.write(self.layer, c_kv, k_pe)
+            out = ctx.paged.attend(
+                self.layer,
+                None,
+                lambda c, pe, m, t: self.attend_latents(q_nope[:, :, t], q_pe[:, :, t], c, pe, m),
+            )
+            return self.o_proj(rearrange(out, "b n t v -> b t (n v)"))
         store = ctx.cache.layers[self.layer] if ctx.cache is not None else None
         if store is not None:
             c_kv, k_pe, steps = store.update(c_kv, k_pe, ctx.start)
         else:
             steps = ctx.q_steps
-        mask = ctx.mask(steps, None, store)
-        absorb = (T == 1) if self.absorb is None else self.absorb
-        out = (
-            self.absorbed(q_nope, q_pe, c_kv, k_pe, mask)
-            if absorb
-            else self.naive(q_nope, q_pe, c_kv, k_pe, mask)
-        )
+        out = self.attend_latents(q_nope, q_pe, c_kv, k_pe, ctx.mask(steps, None, store))
         return self.o_proj(rearrange(out, "b n t v -> b t (n v)"))
+
+    def attend_latents(self, q_nope, q_pe, c_kv, k_pe, mask) -> Float[Tensor, "B N T v"]:
+        """`absorbed` for one query per row (decode) unless self.absorb says otherwise, else `naive`."""
+        absorb = (q_nope.shape[2] == 1) if self.absorb is None else self.absorb
+        return (self.absorbed if absorb else self.naive)(q_nope, q_pe, c_kv, k_pe, mask)
 
     def _w_uk_uv(self) -> tuple[Float[Tensor, "N nope r"], Float[Tensor, "N v r"]]:
         w = rearrange(self.kv_b_proj.weight, "(n d) r -> n d r", n=self.n_heads)

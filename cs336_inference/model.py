@@ -134,6 +134,24 @@ class TransformerLM(nn.Module):
         return F.linear(self.norm(x), self.vocab_weight)
         # END SOLUTION
 
+    def forward_paged(self, input_ids: Int[Tensor, " T"], batch) -> Float[Tensor, "n V"]:
+        """Selective batching for the serving engine: the new tokens of n sequences in one row.
+
+        `batch` (a serving.paged.PagedBatch) gives each token's position (for RoPE) and its slot in
+        the paged KV cache; embedding, projections and MLP run once over all T tokens ([1, T, D]),
+        attention runs per sequence over that sequence's blocks. Returns the logits of each
+        sequence's last token, [n, V].
+        """
+        positions = batch.positions
+        if int(positions.max()) >= self.config.max_seq_len:
+            raise ValueError(f"position {int(positions.max())} is past max_seq_len={self.config.max_seq_len}")
+        cos, sin = self.rope_cos[positions][None], self.rope_sin[positions][None]
+        ctx = ForwardContext(positions, 0, cos, sin, paged=batch)
+        x = self.embed(input_ids[None])
+        for block in self.layers:
+            x = block(x, ctx)
+        return F.linear(self.norm(x[0, batch.last]), self.vocab_weight)
+
     def new_cache(
         self,
         batch_size: int,

@@ -1,0 +1,431 @@
+"""Continuous batching (Orca) over a paged KV cache (vLLM): the serving engine.
+
+Requests arrive at any time with any lengths. Static batching runs a fixed batch until its longest
+request ends; continuous batching decides again at every step (iteration-level scheduling):
+
+    step():  schedule   decoding sequences first (one token each), then sequences still prefilling
+                        (a chunk of their prompt, as the token budget max_batch_tokens allows), then
+                        newly admitted waiting requests while blocks, the budget and max_batch_seqs
+                        allow. When a running sequence needs a block and none is free, the NEWEST
+                        running sequence is preempted: its blocks are freed and it goes back to the
+                        front of the queue, to be recomputed later (its tokens so far are kept).
+             run        one forward over the new tokens of all scheduled sequences flattened into
+                        one row (selective batching: the linears see [T, D] once; attention runs per
+                        sequence over its blocks, serving.paged.PagedBatch)
+             sample     each sequence whose tokens are all computed gets its next token (its own
+                        temperature / top-k / top-p / seed); stop tokens and max_new_tokens end it
+                        and free its blocks.
+
+The contract (tests/test_serving_engine.py): every admitted request completes, its greedy output
+equals `generate` on its prompt alone, and every block is free again at the end, however small
+the block budget. With a seed, a request draws the same tokens as `generate(..., seed=seed)`.
+
+Variants: MHA / GQA / MQA, sliding window (blocks stay allocated for the whole sequence: the
+window is applied by the mask; freeing blocks that leave the window is not done), hybrid
+local/global, MLA (the latent cache is paged the same way), CLA (borrowing layers read their
+owner's blocks, so the paged cache shrinks by kv_share like the contiguous one).
+
+The engine is not thread-safe: one thread drives it (the HTTP server does so from its own loop).
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..sampling import check_sampling_args, sample_next_token
+from .paged import BlockManager, BlockTable, PagedBatch, PagedKVCache
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding parameters (see cs336_inference.sampling). stop_token_ids: generation
+    ends after producing one of them (it is kept in the output); () = only max_new_tokens stops.
+    Pass model.config.eos_token_ids to stop at end-of-sequence like `generate` does by default."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def validate(self) -> None:
+        check_sampling_args(self.temperature, self.top_k, self.top_p, self.max_new_tokens)
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
+        ):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]  # tokens produced for this request in this step
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+
+
+@dataclass
+class Sequence_:
+    """One request inside the engine: its tokens (prompt + output so far) and its KV blocks.
+
+    num_computed = how many of token_ids have their K/V in the cache. A sequence is prefilling while
+    num_computed < len(token_ids) - 1 ... and samples its next token in the step that computes its
+    last token. After preemption num_computed = 0: prompt and output are recomputed together.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt: int
+    params: SamplingParams
+    arrival: float
+    order: int  # admission order for the scheduler (smaller = older)
+    generator: torch.Generator | None = None
+    table: BlockTable = field(default_factory=BlockTable)
+    num_computed: int = 0
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    preemptions: int = 0
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def remaining(self) -> int:
+        """Tokens whose K/V still have to be computed (1 while decoding)."""
+        return len(self.token_ids) - self.num_computed
+
+
+class Scheduler:
+    """Waiting queue (FIFO) and running list (admission order); decides each step's work."""
+
+    def __init__(
+        self,
+        blocks: BlockManager,
+        copy_block: Callable[[int, int], None],
+        max_batch_tokens: int,
+        max_batch_seqs: int,
+    ):
+        self.blocks = blocks
+        self.copy_block = copy_block
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_seqs = max_batch_seqs
+        self.waiting: deque[Sequence_] = deque()
+        self.running: list[Sequence_] = []
+        self.preemptions = 0
+
+    def fits(self, seq: Sequence_, n: int) -> bool:
+        """Whether computing seq's next n tokens finds the blocks it needs free."""
+        return (
+            self.blocks.blocks_needed(seq.table, seq.num_computed, seq.num_computed + n)
+            <= self.blocks.num_free
+        )
+
+    def reserve(self, seq: Sequence_, n: int) -> None:
+        """Make the blocks for seq's next n tokens writable (copy-on-write, new blocks)."""
+        self.blocks.prepare_write(seq.table, seq.num_computed, seq.num_computed + n, self.copy_block)
+
+    def preempt(self, seq: Sequence_) -> None:
+        """Recompute later: free seq's blocks, forget its cache, put it at the front of the queue."""
+        self.running.remove(seq)
+        self.blocks.free(seq.table)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def match_prefix(self, seq: Sequence_) -> None:
+        """Start a waiting sequence from the prefix cache: its cached full blocks count as computed
+        (all but the last token: its logits are needed, so it is recomputed, copy-on-write)."""
+        matched = self.blocks.match_prefix(seq.table, seq.token_ids)
+        seq.num_computed = min(matched * self.blocks.block_size, len(seq.token_ids) - 1)
+
+    def schedule(self) -> list[tuple[Sequence_, int]]:
+        """This step's work: (sequence, number of its tokens to compute) pairs; blocks reserved.
+
+        1. Running sequences, those decoding (remaining == 1) first, then those still prefilling,
+           oldest first within each: n = min(remaining, budget left) tokens each (budget:
+           max_batch_tokens per step). While seq does not `fits`, preempt the newest running
+           sequence not scheduled yet in this step (possibly seq itself, which is then skipped).
+           Then `reserve` its blocks, append (seq, n), and take n from the budget.
+        2. Only if nobody was preempted in this step: admit waiting sequences in order while the
+           budget is not spent and fewer than max_batch_seqs are running: `match_prefix` first
+           (unless it already holds blocks), n = min(remaining, budget); if it does not fit, give
+           the matched blocks back (blocks.free(seq.table), num_computed = 0) and stop admitting;
+           else move it to `running`, `reserve`, append (seq, n), take n from the budget.
+        """
+        budget = self.max_batch_tokens
+        scheduled: list[tuple[Sequence_, int]] = []
+        # BEGIN SOLUTION scheduler
+        done: set[int] = set()
+        preempted = False
+        order = [s for s in self.running if s.remaining == 1] + [s for s in self.running if s.remaining > 1]
+        for seq in order:
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted earlier in this step
+                continue
+            n = min(seq.remaining, budget)
+            while not self.fits(seq, n):
+                victim = next(s for s in reversed(self.running) if id(s) not in done)
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            self.reserve(seq, n)
+            scheduled.append((seq, n))
+            done.add(id(seq))
+            budget -= n
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_batch_seqs:
+            seq = self.waiting[0]
+            if not seq.table.blocks:
+                self.match_prefix(seq)
+            n = min(seq.remaining, budget)
+            if not self.fits(seq, n):
+                self.blocks.free(seq.table)
+                seq.num_computed = 0
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            self.reserve(seq, n)
+            scheduled.append((seq, n))
+            budget -= n
+        # END SOLUTION
+        return scheduled
+
+    def remove(self, seq: Sequence_) -> None:
+        """Take a finished or aborted sequence out of the queues and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.table)
+
+
+def _as_token_list(prompt_ids, vocab_size: int) -> list[int]:
+    if isinstance(prompt_ids, Tensor):
+        if prompt_ids.dim() != 1:
+            raise ValueError(f"a prompt must be 1-D, got shape {tuple(prompt_ids.shape)}")
+        if prompt_ids.dtype.is_floating_point or prompt_ids.dtype == torch.bool:
+            raise ValueError(f"prompt token ids must be integers, got dtype {prompt_ids.dtype}")
+        ids = prompt_ids.tolist()
+    else:
+        ids = list(prompt_ids)
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
+            raise ValueError("prompt token ids must be integers")
+        ids = [int(t) for t in ids]
+    if not ids:
+        raise ValueError("the prompt is empty: a request needs at least one token")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {min(ids)}..{max(ids)}")
+    return ids
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache (module docstring). Not thread-safe."""
+
+    def __init__(
+        self,
+        model,
+        num_blocks: int = 256,
+        block_size: int = 16,
+        max_batch_tokens: int = 512,
+        max_batch_seqs: int = 16,
+        prefix_caching: bool = True,
+    ):
+        for name, value in [("max_batch_tokens", max_batch_tokens), ("max_batch_seqs", max_batch_seqs)]:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.model = model
+        self.config = model.config
+        self.device = model.embed.weight.device
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+        self.cache = PagedKVCache(self.config, num_blocks, block_size, model.embed.weight.dtype, self.device)
+        self.scheduler = Scheduler(self.blocks, self.cache.copy_block, max_batch_tokens, max_batch_seqs)
+        self.requests: dict[str, Sequence_] = {}  # live (waiting or running) requests
+        self.finished: dict[str, Sequence_] = {}  # kept for request_metrics
+        self._pending: list[RequestOutput] = []  # aborts, reported by the next step
+        self._ids = itertools.count()
+        self._order = itertools.count()
+        self.num_steps = self.computed_tokens = self.generated_tokens = self.peak_used_blocks = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request; returns its id. ValueError (one line) for a request that can never run."""
+        params = SamplingParams() if params is None else params
+        params.validate()
+        ids = _as_token_list(prompt_ids, self.config.vocab_size)
+        P, M = len(ids), int(params.max_new_tokens)
+        if P + M > self.config.max_seq_len:
+            raise ValueError(
+                f"prompt ({P} tokens) + max_new_tokens ({M}) exceeds the context window of "
+                f"{self.config.max_seq_len} tokens"
+            )
+        need = self.blocks.num_blocks_for(P + M - 1)  # the last token's K/V is never computed
+        if need > self.blocks.num_blocks:
+            raise ValueError(
+                f"prompt ({P}) + max_new_tokens ({M}) needs {need} KV blocks of {self.blocks.block_size} "
+                f"tokens, more than the engine's {self.blocks.num_blocks}"
+            )
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        request_id = str(request_id)
+        if request_id in self.requests or request_id in self.finished:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(int(params.seed))
+        seq = Sequence_(request_id, ids, P, params, time.perf_counter(), next(self._order), generator)
+        self.requests[request_id] = seq
+        self.scheduler.waiting.append(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Drop a live request (e.g. its client disconnected) and free its blocks; unknown or
+        finished ids are ignored. The next step reports it with finish_reason "abort"."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return
+        self._finish(seq, "abort")
+        self._pending.append(RequestOutput(request_id, [], True, "abort"))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._pending)
+
+    def _finish(self, seq: Sequence_, reason: str) -> None:
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
+        self.scheduler.remove(seq)
+        del self.requests[seq.request_id]
+        self.finished[seq.request_id] = seq
+
+    # ------------------------------------------------------------------ one iteration
+    @torch.no_grad()
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward over every scheduled sequence's new tokens, sample."""
+        outputs, self._pending = self._pending, []
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return outputs
+        self.num_steps += 1
+        self.peak_used_blocks = max(self.peak_used_blocks, self.blocks.num_blocks - self.blocks.num_free)
+        spans = [(seq.table.blocks, seq.num_computed, n) for seq, n in scheduled]
+        batch = PagedBatch(self.cache, spans, self.device)
+        ids = [t for seq, n in scheduled for t in seq.token_ids[seq.num_computed : seq.num_computed + n]]
+        logits = self.model.forward_paged(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
+        self.computed_tokens += len(ids)
+        now = time.perf_counter()
+        for i, (seq, n) in enumerate(scheduled):
+            seq.num_computed += n
+            self.blocks.register_full_blocks(seq.table, seq.token_ids, seq.num_computed)
+            if seq.remaining > 0:  # a prompt chunk: nothing to sample yet
+                continue
+            p = seq.params
+            token = int(
+                sample_next_token(logits[i : i + 1], p.temperature, p.top_k, p.top_p, seq.generator)[0]
+            )
+            seq.token_ids.append(token)
+            self.generated_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = None
+            if token in p.stop_token_ids:
+                reason = "stop"
+            elif seq.num_output >= p.max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                self._finish(seq, reason)
+            outputs.append(RequestOutput(seq.request_id, [token], reason is not None, reason))
+        return outputs
+
+    def generate(
+        self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[list[int]]:
+        """Run the prompts (lists of ids or 1-D tensors) to completion; new token ids per prompt."""
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        out: dict[str, list[int]] = {rid: [] for rid in ids}
+        left = set(ids)
+        while left:
+            if not self.has_unfinished():
+                raise RuntimeError(f"engine idle with {len(left)} of its requests unfinished")
+            for o in self.step():
+                if o.request_id in out:
+                    out[o.request_id].extend(o.new_token_ids)
+                    if o.finished:
+                        left.discard(o.request_id)
+        return [out[rid] for rid in ids]
+
+    # ------------------------------------------------------------------ metrics
+    def request_metrics(self, request_id: str) -> dict:
+        """Times (time.perf_counter seconds) and lengths of one request, live or finished.
+
+        ttft = first token - arrival; tpot = (finish - first token) / (outputs - 1), the time per
+        output token after the first; e2e = finish - arrival (None until known).
+        """
+        seq = self.requests.get(request_id) or self.finished.get(request_id)
+        if seq is None:
+            raise KeyError(f"unknown request id {request_id!r}")
+        first, end = seq.first_token_time, seq.finish_time
+        n = seq.num_output
+        return dict(
+            arrival=seq.arrival,
+            first_token=first,
+            finish=end,
+            ttft=None if first is None else first - seq.arrival,
+            tpot=(end - first) / (n - 1) if end is not None and first is not None and n > 1 else None,
+            e2e=None if end is None else end - seq.arrival,
+            prompt_tokens=seq.num_prompt,
+            output_tokens=n,
+            preemptions=seq.preemptions,
+            finish_reason=seq.finish_reason,
+        )
+
+    def stats(self) -> dict:
+        """Run-wide counters: blocks (total, free, used, peak), preemptions, prefix cache, tokens."""
+        b = self.blocks
+        running = self.scheduler.running
+        used = b.num_blocks - b.num_free
+        return dict(
+            num_blocks=b.num_blocks,
+            block_size=b.block_size,
+            free_blocks=b.num_free,
+            used_blocks=used,
+            peak_used_blocks=self.peak_used_blocks,
+            kv_bytes_per_block=self.cache.block_nbytes,
+            used_token_slots=sum(
+                s.num_computed for s in running
+            ),  # K/V written (shared prefixes per sequence)
+            allocated_token_slots=used * b.block_size,
+            preemptions=self.scheduler.preemptions,
+            prefix_hits=b.prefix_hits,
+            prefix_queries=b.prefix_queries,
+            prefix_hit_rate=b.prefix_hits / b.prefix_queries if b.prefix_queries else 0.0,
+            cow_copies=b.cow_copies,
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(running),
+            steps=self.num_steps,
+            computed_tokens=self.computed_tokens,
+            generated_tokens=self.generated_tokens,
+        )
