@@ -30,11 +30,15 @@ def test_workload_is_seeded_and_only_the_rate_changes_arrivals():
 
 def test_static_and_continuous_serve_every_request_like_generate_alone():
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=256)
+    cfg = ModelConfig(
+        vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=256
+    )
     model = TransformerLM(cfg).eval()
     reqs = workload.make_workload(12, 50.0, 256, seed=1, max_prompt=24, max_output=16, system_prompt_len=16)
     static = workload.run_static(model, reqs, batch_size=4)
-    engine = workload.run_engine(model, reqs, num_blocks=32, block_size=8, max_batch_seqs=4, max_batch_tokens=64)
+    engine = workload.run_engine(
+        model, reqs, num_blocks=32, block_size=8, max_batch_seqs=4, max_batch_tokens=64
+    )
     for i, r in enumerate(reqs):
         alone = generate(model, r.prompt_ids, r.max_new_tokens, stop_token_ids=[]).tolist()
         assert static.tokens[i] == alone, f"static batching, request {i}"
