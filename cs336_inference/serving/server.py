@@ -182,7 +182,7 @@ class RequestParser:
                 404, f"the model {model!r} does not exist; this server has {self.model_name!r}", "model",
                 "model_not_found",
             )  # fmt: skip
-        if body.get("n", 1) != 1:
+        if body.get("n") not in (None, 1):
             raise APIError(400, "only n = 1 is supported", param="n")
         if body.get("stop") not in (None, [], ""):
             raise APIError(400, "stop strings are not supported (the model's EOS ends a reply)", "stop")

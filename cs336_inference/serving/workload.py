@@ -298,6 +298,7 @@ def plot(result: dict, path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for system, color in (("static", "tab:red"), ("continuous", "tab:blue")):
@@ -307,9 +308,13 @@ def plot(result: dict, path) -> None:
         ax2.plot(rates, [r["ttft_median_s"] for r in rows], "o-", color=color, label=f"{system}, median")
         ax2.plot(rates, [r["ttft_p99_s"] for r in rows], "s--", color=color, label=f"{system}, p99")
     ax1.set(xlabel="arrival rate (requests/s)", ylabel="output tokens/s", title="throughput")
+    ax1.set_ylim(bottom=0)
     ax2.set(xlabel="arrival rate (requests/s)", ylabel="seconds", title="time to first token", yscale="log")
     for ax in (ax1, ax2):
         ax.set_xscale("log")
+        ax.set_xticks(sorted({r["rate"] for r in result["runs"]}))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
