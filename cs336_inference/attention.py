@@ -159,7 +159,7 @@ class Attention(nn.Module):
             if self.owner == self.layer:
                 ctx.paged.write(self.layer, k, v)
             out = ctx.paged.attend(
-                self.owner, self.window, lambda k, v, mask, t: attend(q[:, :, t], k, v, mask, self.scale)
+                self.owner, self.window, (q,), lambda q, k, v, m: attend(q, k, v, m, self.scale)
             )
             return self.o_proj(rearrange(out, "b n t h -> b t (n h)"))
         store = ctx.cache.layers[self.owner] if ctx.cache is not None else None
@@ -237,11 +237,7 @@ class MLA(nn.Module):
         k_pe = self._rope(k_pe[:, None], ctx)[:, 0]  # one rotary key for all heads
         if ctx.paged is not None:  # serving: each sequence attends over its paged latents
             ctx.paged.write(self.layer, c_kv, k_pe)
-            out = ctx.paged.attend(
-                self.layer,
-                None,
-                lambda c, pe, m, t: self.attend_latents(q_nope[:, :, t], q_pe[:, :, t], c, pe, m),
-            )
+            out = ctx.paged.attend(self.layer, None, (q_nope, q_pe), self.attend_latents)
             return self.o_proj(rearrange(out, "b n t v -> b t (n v)"))
         store = ctx.cache.layers[self.layer] if ctx.cache is not None else None
         if store is not None:

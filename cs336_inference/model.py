@@ -143,8 +143,8 @@ class TransformerLM(nn.Module):
         sequence's last token, [n, V].
         """
         positions = batch.positions
-        if int(positions.max()) >= self.config.max_seq_len:
-            raise ValueError(f"position {int(positions.max())} is past max_seq_len={self.config.max_seq_len}")
+        if batch.max_position >= self.config.max_seq_len:
+            raise ValueError(f"position {batch.max_position} is past max_seq_len={self.config.max_seq_len}")
         cos, sin = self.rope_cos[positions][None], self.rope_sin[positions][None]
         ctx = ForwardContext(positions, 0, cos, sin, paged=batch)
         x = self.embed(input_ids[None])

@@ -31,6 +31,7 @@ EXPECTED = {
     "02_kv_cache_variants.ipynb",
     "03_sampling.ipynb",
     "04_quantization.ipynb",
+    "07_serving.ipynb",
 }
 CELL_TIMEOUT = 600  # seconds per cell; the notebooks take well under 2 minutes on an idle CPU
 HANDOUT = REPO / "assignments" / "handout.md"

@@ -75,13 +75,14 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None
 
 
-@dataclass
-class Sequence_:
+@dataclass(eq=False)  # identity: two requests are never "equal"
+class Request:
     """One request inside the engine: its tokens (prompt + output so far) and its KV blocks.
 
-    num_computed = how many of token_ids have their K/V in the cache. A sequence is prefilling while
-    num_computed < len(token_ids) - 1 ... and samples its next token in the step that computes its
-    last token. After preemption num_computed = 0: prompt and output are recomputed together.
+    num_computed = how many of token_ids have their K/V in the cache; remaining = the rest: 1 while
+    decoding (the newest token's K/V is computed in the next step), more while the prompt is being
+    prefilled. The step that computes a sequence's last token samples its next one. After
+    preemption num_computed = 0: prompt and output so far are recomputed together.
     """
 
     request_id: str
@@ -89,7 +90,7 @@ class Sequence_:
     num_prompt: int
     params: SamplingParams
     arrival: float
-    order: int  # admission order for the scheduler (smaller = older)
+    order: int  # arrival counter (the running list itself is kept in admission order)
     generator: torch.Generator | None = None
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0
@@ -122,22 +123,22 @@ class Scheduler:
         self.copy_block = copy_block
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_seqs = max_batch_seqs
-        self.waiting: deque[Sequence_] = deque()
-        self.running: list[Sequence_] = []
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
         self.preemptions = 0
 
-    def fits(self, seq: Sequence_, n: int) -> bool:
+    def fits(self, seq: Request, n: int) -> bool:
         """Whether computing seq's next n tokens finds the blocks it needs free."""
         return (
             self.blocks.blocks_needed(seq.table, seq.num_computed, seq.num_computed + n)
             <= self.blocks.num_free
         )
 
-    def reserve(self, seq: Sequence_, n: int) -> None:
+    def reserve(self, seq: Request, n: int) -> None:
         """Make the blocks for seq's next n tokens writable (copy-on-write, new blocks)."""
         self.blocks.prepare_write(seq.table, seq.num_computed, seq.num_computed + n, self.copy_block)
 
-    def preempt(self, seq: Sequence_) -> None:
+    def preempt(self, seq: Request) -> None:
         """Recompute later: free seq's blocks, forget its cache, put it at the front of the queue."""
         self.running.remove(seq)
         self.blocks.free(seq.table)
@@ -146,13 +147,13 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
-    def match_prefix(self, seq: Sequence_) -> None:
+    def match_prefix(self, seq: Request) -> None:
         """Start a waiting sequence from the prefix cache: its cached full blocks count as computed
         (all but the last token: its logits are needed, so it is recomputed, copy-on-write)."""
         matched = self.blocks.match_prefix(seq.table, seq.token_ids)
         seq.num_computed = min(matched * self.blocks.block_size, len(seq.token_ids) - 1)
 
-    def schedule(self) -> list[tuple[Sequence_, int]]:
+    def schedule(self) -> list[tuple[Request, int]]:
         """This step's work: (sequence, number of its tokens to compute) pairs; blocks reserved.
 
         1. Running sequences, those decoding (remaining == 1) first, then those still prefilling,
@@ -167,7 +168,7 @@ class Scheduler:
            else move it to `running`, `reserve`, append (seq, n), take n from the budget.
         """
         budget = self.max_batch_tokens
-        scheduled: list[tuple[Sequence_, int]] = []
+        scheduled: list[tuple[Request, int]] = []
         # BEGIN SOLUTION scheduler
         done: set[int] = set()
         preempted = False
@@ -207,7 +208,7 @@ class Scheduler:
         # END SOLUTION
         return scheduled
 
-    def remove(self, seq: Sequence_) -> None:
+    def remove(self, seq: Request) -> None:
         """Take a finished or aborted sequence out of the queues and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
@@ -256,8 +257,8 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.cache = PagedKVCache(self.config, num_blocks, block_size, model.embed.weight.dtype, self.device)
         self.scheduler = Scheduler(self.blocks, self.cache.copy_block, max_batch_tokens, max_batch_seqs)
-        self.requests: dict[str, Sequence_] = {}  # live (waiting or running) requests
-        self.finished: dict[str, Sequence_] = {}  # kept for request_metrics
+        self.requests: dict[str, Request] = {}  # live (waiting or running) requests
+        self.finished: dict[str, Request] = {}  # kept for request_metrics
         self._pending: list[RequestOutput] = []  # aborts, reported by the next step
         self._ids = itertools.count()
         self._order = itertools.count()
@@ -291,7 +292,7 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(int(params.seed))
-        seq = Sequence_(request_id, ids, P, params, time.perf_counter(), next(self._order), generator)
+        seq = Request(request_id, ids, P, params, time.perf_counter(), next(self._order), generator)
         self.requests[request_id] = seq
         self.scheduler.waiting.append(seq)
         return request_id
@@ -308,7 +309,7 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._pending)
 
-    def _finish(self, seq: Sequence_, reason: str) -> None:
+    def _finish(self, seq: Request, reason: str) -> None:
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         self.scheduler.remove(seq)
@@ -330,16 +331,15 @@ class LLMEngine:
         ids = [t for seq, n in scheduled for t in seq.token_ids[seq.num_computed : seq.num_computed + n]]
         logits = self.model.forward_paged(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
         self.computed_tokens += len(ids)
-        now = time.perf_counter()
-        for i, (seq, n) in enumerate(scheduled):
+        for seq, n in scheduled:
             seq.num_computed += n
             self.blocks.register_full_blocks(seq.table, seq.token_ids, seq.num_computed)
-            if seq.remaining > 0:  # a prompt chunk: nothing to sample yet
-                continue
+        rows = [i for i, (seq, _) in enumerate(scheduled) if seq.remaining == 0]  # the rest: prompt chunks
+        tokens = self._sample(logits, [scheduled[i][0] for i in rows], rows)
+        now = time.perf_counter()
+        for i, token in zip(rows, tokens, strict=True):
+            seq = scheduled[i][0]
             p = seq.params
-            token = int(
-                sample_next_token(logits[i : i + 1], p.temperature, p.top_k, p.top_p, seq.generator)[0]
-            )
             seq.token_ids.append(token)
             self.generated_tokens += 1
             if seq.first_token_time is None:
@@ -353,6 +353,22 @@ class LLMEngine:
                 self._finish(seq, reason)
             outputs.append(RequestOutput(seq.request_id, [token], reason is not None, reason))
         return outputs
+
+    def _sample(self, logits: Tensor, seqs: list[Request], rows: list[int]) -> list[int]:
+        """Next token of each sequence from its row of logits: greedy rows in one argmax, sampled rows
+        one by one with their own parameters and generator (so a seed draws as in `generate`)."""
+        tokens: list[int | None] = [None] * len(seqs)
+        greedy = [j for j, seq in enumerate(seqs) if seq.params.temperature == 0.0]
+        if greedy:
+            picked = logits[[rows[j] for j in greedy]].argmax(dim=-1).tolist()
+            for j, token in zip(greedy, picked, strict=True):
+                tokens[j] = token
+        for j, seq in enumerate(seqs):
+            if tokens[j] is None:
+                p = seq.params
+                row = logits[rows[j] : rows[j] + 1]
+                tokens[j] = int(sample_next_token(row, p.temperature, p.top_k, p.top_p, seq.generator)[0])
+        return tokens
 
     def generate(
         self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None

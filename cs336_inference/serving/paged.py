@@ -314,12 +314,14 @@ def paged_attention(
     key step j iff j <= i (and i - window < j with a window): `attention_mask`. Same result as
     `attend` over a contiguous cache holding those steps.
     """
+    # BEGIN SOLUTION paged_attention
     S = start + q.shape[1]
     k = rearrange(gather_blocks(k_store, block_table, S), "s k h -> 1 k s h")
     v = rearrange(gather_blocks(v_store, block_table, S), "s k h -> 1 k s h")
     steps = torch.arange(S, device=q.device)
     mask = attention_mask(steps[start:], steps, window)
     return attend(q[None], k, v, mask, scale)[0]
+    # END SOLUTION
 
 
 class PagedKVCache:
@@ -393,45 +395,90 @@ class PagedBatch:
 
     The new tokens of all scheduled sequences are flattened into one row of T tokens: embedding,
     projections and MLP run once over [1, T, D]; each attention layer writes the new K/V to their
-    slots (`write`) and attends per sequence over that sequence's blocks (`attend`).
+    slots (`write`) and attends per sequence over that sequence's blocks (`attend`). Sequences with
+    one new token (decoding) attend together, as one batch padded to the longest of them (the
+    padding masked out); sequences with a chunk of prompt attend one by one.
     """
 
     def __init__(self, cache: PagedKVCache, spans: list[tuple[list[int], int, int]], device):
-        """spans: (block table, start, n) per sequence, in row order."""
+        """spans: (block table, start, n) per sequence, in row order.
+
+        The index tensors are built on the CPU and moved to `device` once (no per-sequence transfers).
+        """
         self.cache = cache
         self.spans: list[SeqSpan] = []
         positions, slots, offset = [], [], 0
         for blocks, start, n in spans:
-            table = torch.tensor(blocks, dtype=torch.long, device=device)
+            table = torch.tensor(blocks, dtype=torch.long)
             self.spans.append(SeqSpan(offset, start, n, table))
-            positions.append(torch.arange(start, start + n, device=device))
+            positions.append(torch.arange(start, start + n))
             slots.append(slot_mapping(table, start, start + n, cache.block_size))
             offset += n
-        self.positions: Int[Tensor, " T"] = torch.cat(positions)
-        self.slots: Int[Tensor, " T"] = torch.cat(slots)
-        self.last: Int[Tensor, " n_seqs"] = torch.tensor(
-            [s.offset + s.n - 1 for s in self.spans], dtype=torch.long, device=device
-        )
+        positions = torch.cat(positions)
+        self.max_position = int(positions.max())
+        self.positions: Int[Tensor, " T"] = positions.to(device)
+        self.slots: Int[Tensor, " T"] = torch.cat(slots).to(device)
+        self.last = torch.tensor([s.offset + s.n - 1 for s in self.spans]).to(device)
+        # the one-token spans (decoding), batched: their row index, padded block tables and lengths
+        single = [s for s in self.spans if s.n == 1]
+        self.single_idx = torch.tensor([s.offset for s in single], dtype=torch.long).to(device)
+        if single:
+            tables = torch.zeros(len(single), max(len(s.block_table) for s in single), dtype=torch.long)
+            for b, s in enumerate(single):
+                tables[b, : len(s.block_table)] = s.block_table
+            self.single_tables = tables.to(device)
+            self.single_lengths = torch.tensor([s.start + 1 for s in single]).to(device)
+        self.chunks = [s for s in self.spans if s.n > 1]
+        for s in self.chunks:
+            s.block_table = s.block_table.to(device)
         self._masks: dict = {}
 
     def write(self, layer: int, *new: Tensor) -> None:
         self.cache.write(layer, self.slots, *new)
 
-    def mask(self, i: int, window: int | None) -> Bool[Tensor, "1 n S"] | None:
-        span = self.spans[i]
-        S = span.start + span.n
-        if span.n == 1 and (window is None or S <= window):
-            return None  # one query at the newest step sees every key
+    def single_mask(self, window: int | None) -> Bool[Tensor, "B 1 S"]:
+        """Key j of one-token row b is visible iff j < length_b (and j > length_b - 1 - window)."""
+        if ("single", window) not in self._masks:
+            S = self.single_tables.shape[1] * self.cache.block_size
+            k = torch.arange(S, device=self.positions.device)[None]
+            lengths = self.single_lengths[:, None]
+            visible = k < lengths
+            if window is not None:
+                visible &= k > lengths - 1 - window
+            self._masks["single", window] = visible[:, None]
+        return self._masks["single", window]
+
+    def chunk_mask(self, i: int, window: int | None) -> Bool[Tensor, "1 n S"]:
+        span = self.chunks[i]
         if (i, window) not in self._masks:
-            steps = torch.arange(S, device=self.positions.device)
+            steps = torch.arange(span.start + span.n, device=self.positions.device)
             self._masks[i, window] = attention_mask(steps[span.start :], steps, window)
         return self._masks[i, window]
 
-    def attend(self, layer: int, window: int | None, fn: Callable[..., Tensor]) -> Tensor:
-        """Per sequence: fn(*gathered K/V of `layer`, mask, slice of its tokens) -> [1, N, n, Hv];
-        the outputs concatenated along the token dim: [1, N, T, Hv]."""
-        outs = []
-        for i, span in enumerate(self.spans):
+    def attend(
+        self, layer: int, window: int | None, qs: tuple[Tensor, ...], fn: Callable[..., Tensor]
+    ) -> Tensor:
+        """Attention of every token of the row over its own sequence's blocks of `layer`.
+
+        qs: the queries, each [1, N, T, ...]; fn(*queries, *keys/values, mask) -> [B, N, t, Hv] is
+        the attention (keys/values in the layout PagedKVCache.gather gives). Returns [1, N, T, Hv].
+        """
+        out = None
+        if len(self.single_idx):
+            stores = self.cache.layers[layer]
+            kv = [store[self.single_tables].flatten(1, 2) for store in stores]  # [B, S, ...]
+            if not self.cache.is_mla:
+                kv = [rearrange(x, "b s k h -> b k s h") for x in kv]
+            q = [rearrange(x[0, :, self.single_idx], "n b h -> b n 1 h") for x in qs]
+            o = fn(*q, *kv, self.single_mask(window))  # [B, N, 1, Hv]
+            out = o.new_empty(1, o.shape[1], self.positions.shape[0], o.shape[3])
+            out[0, :, self.single_idx] = rearrange(o, "b n 1 h -> n b h")
+        for i, span in enumerate(self.chunks):
             kv = self.cache.gather(layer, span.block_table, span.start + span.n)
-            outs.append(fn(*kv, self.mask(i, window), slice(span.offset, span.offset + span.n)))
-        return torch.cat(outs, dim=2)
+            o = fn(
+                *(x[:, :, span.offset : span.offset + span.n] for x in qs), *kv, self.chunk_mask(i, window)
+            )
+            if out is None:
+                out = o.new_empty(1, o.shape[1], self.positions.shape[0], o.shape[3])
+            out[:, :, span.offset : span.offset + span.n] = o
+        return out
