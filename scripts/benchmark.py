@@ -5,6 +5,10 @@ chat and a rewrite workload, k = 1..8: alpha, tokens per pass vs the formula, pa
 
     python scripts/benchmark.py speculative --prompts 1 --max-new-tokens 32 --out runs/spec.json --plot spec.png
 
+`serve`: static vs continuous batching on a generated workload (throughput, TTFT, TPOT, KV waste).
+
+    python scripts/benchmark.py serve --rates 1,4 --requests 32 --out serve.json --plot serve.png
+
     python scripts/benchmark.py quant --max-tokens 4096 --json quant.json   # see scripts/evaluate.py
 
     python scripts/benchmark.py decode                 # SmolLM2-135M + a tiny model, full sizes (~20 min on CPU)
@@ -233,6 +237,56 @@ def run_speculative(args: argparse.Namespace) -> dict:
             "max_new_tokens": args.max_new_tokens, **result, "table": table}  # fmt: skip
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    """`serve`: static vs continuous batching (library: cs336_inference.serving.workload)."""
+    import os
+    import platform
+
+    from cs336_inference.serving import workload
+
+    try:
+        rates = [float(x) for x in args.rates.split(",")]
+    except ValueError:
+        raise BenchmarkError(f"--rates must be comma-separated numbers, got {args.rates!r}") from None
+    if args.requests < 1 or args.threads < 1 or any(r <= 0 for r in rates):
+        raise BenchmarkError("--requests, --threads and every rate must be > 0")
+    torch.set_num_threads(args.threads)
+    source = Path(args.model) if args.model else default_model_path()
+    log(f"loading {source}")
+    model = load_pretrained(source, dtype=torch.float32).eval()
+    shape = dict(
+        prompt_median=args.prompt_median, output_median=args.output_median, max_prompt=args.max_len,
+        max_output=args.max_len, system_prompt_len=args.system_prompt, shared_fraction=args.shared_fraction,
+    )  # fmt: skip
+    load_start = os.getloadavg()[0]
+    result = workload.serving_benchmark(
+        model, rates, args.requests, args.seed, args.batch_size, args.num_blocks, args.block_size,
+        args.max_batch_tokens, shape, log=log,
+    )  # fmt: skip
+    result["env"] = {
+        "model": source.name, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(), "load_average_at_start": load_start,
+        "load_average_at_end": os.getloadavg()[0], "command": "python scripts/benchmark.py " + " ".join(sys.argv[1:]),
+    }  # fmt: skip
+    print(workload.format_table(result))
+    w = result["workload"]
+    print(
+        f"\n{w['num_requests']} requests, prompts median {w['prompt_len_median']:g} (max {w['prompt_len_max']}) "
+        f"tokens, outputs median {w['output_len_median']:g} (max {w['output_len_max']}), "
+        f"{w['shared_prefix_requests']} with a {args.system_prompt}-token system prompt; "
+        f"{result['env']['threads']} torch threads, load average {load_start:.1f} -> {result['env']['load_average_at_end']:.1f}"
+    )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    if args.plot:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        workload.plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -265,8 +319,27 @@ def main(argv: list[str] | None = None) -> int:
     spec.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     spec.add_argument("--out", type=Path, help="write the results as JSON here")
     spec.add_argument("--plot", type=Path, help="write a PNG of speedup vs k here")
+    srv = sub.add_parser("serve", help="static vs continuous batching on a generated workload")
+    srv.add_argument("--model", help="checkpoint (default: SmolLM2-135M-Instruct GGUF)")
+    srv.add_argument("--rates", default="1,4", help="arrival rates to sweep, requests/s (comma-separated)")
+    srv.add_argument("--requests", type=int, default=32, help="requests per run")
+    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--batch-size", type=int, default=8, help="static batch = engine max_batch_seqs")
+    srv.add_argument("--num-blocks", type=int, default=128)
+    srv.add_argument("--block-size", type=int, default=16)
+    srv.add_argument("--max-batch-tokens", type=int, default=256)
+    srv.add_argument("--prompt-median", type=float, default=24, help="median prompt length (log-normal)")
+    srv.add_argument("--output-median", type=float, default=24, help="median output length (log-normal)")
+    srv.add_argument("--max-len", type=int, default=128, help="longest prompt and longest output")
+    srv.add_argument("--system-prompt", type=int, default=32, help="tokens of the shared system prompt")
+    srv.add_argument("--shared-fraction", type=float, default=0.5, help="share of requests that use it")
+    srv.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    srv.add_argument("--out", type=Path, help="write the results as JSON here")
+    srv.add_argument("--plot", type=Path, help="write the throughput / TTFT plot (PNG) here")
     args = parser.parse_args(argv)
     try:
+        if args.command == "serve":
+            return run_serve(args)
         if args.command == "quant":
             result = run_quant(args)
             args.out = args.json

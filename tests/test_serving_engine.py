@@ -729,3 +729,14 @@ def test_batched_decode_of_16_sequences_costs_less_than_3x_one():
 
     one, sixteen = median_step_ms(1), median_step_ms(16)
     assert sixteen < 3 * one, f"a decode step of 16 sequences took {sixteen:.2f} ms, of one {one:.2f} ms"
+
+
+def test_finished_history_is_bounded():
+    """A long-running server must not keep every finished request: the oldest are forgotten."""
+    engine = LLMEngine(tiny_model("gqa"), num_blocks=16, block_size=4)
+    engine.keep_finished = 3
+    ids = [engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2)) for _ in range(5)]
+    while engine.has_unfinished():
+        engine.step()
+    assert list(engine.finished) == ids[2:], f"expected the last 3 finished ids, got {list(engine.finished)}"
+    assert engine.request_metrics(ids[-1])["output_tokens"] == 2

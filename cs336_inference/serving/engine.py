@@ -258,7 +258,10 @@ class LLMEngine:
         self.cache = PagedKVCache(self.config, num_blocks, block_size, model.embed.weight.dtype, self.device)
         self.scheduler = Scheduler(self.blocks, self.cache.copy_block, max_batch_tokens, max_batch_seqs)
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests
-        self.finished: dict[str, Request] = {}  # kept for request_metrics
+        # The latest finished requests, kept for request_metrics; bounded so that a long-running
+        # server does not grow without limit (the oldest is forgotten first).
+        self.finished: dict[str, Request] = {}
+        self.keep_finished = 1024
         self._pending: list[RequestOutput] = []  # aborts, reported by the next step
         self._ids = itertools.count()
         self._order = itertools.count()
@@ -315,6 +318,8 @@ class LLMEngine:
         self.scheduler.remove(seq)
         del self.requests[seq.request_id]
         self.finished[seq.request_id] = seq
+        while len(self.finished) > self.keep_finished:
+            del self.finished[next(iter(self.finished))]
 
     # ------------------------------------------------------------------ one iteration
     @torch.no_grad()
@@ -395,7 +400,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ metrics
     def request_metrics(self, request_id: str) -> dict:
-        """Times (time.perf_counter seconds) and lengths of one request, live or finished.
+        """Times (time.perf_counter seconds) and lengths of one request, live or among the latest
+        `keep_finished` finished ones.
 
         ttft = first token - arrival; tpot = (finish - first token) / (outputs - 1), the time per
         output token after the first; e2e = finish - arrival (None until known).

@@ -1,0 +1,452 @@
+"""An OpenAI-compatible HTTP server over the continuous-batching engine (FastAPI + uvicorn).
+
+    app = create_app(engine, tokenizer, model_name="smollm2")
+    uvicorn.run(app, host="127.0.0.1", port=8000)        # or: python scripts/serve.py
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true for
+server-sent events, one `data: {chunk}` per new piece of text and `data: [DONE]` at the end),
+GET /v1/models, GET /health. Bad requests get a 4xx JSON body in OpenAI's error shape
+{"error": {"message", "type", "param", "code"}}; the server keeps serving.
+
+Threads: the engine is not thread-safe, so one background thread owns it. It drains a command
+queue (add a request, abort one), runs `engine.step()` while anything is unfinished, and hands each
+request's new tokens to that request's asyncio queue on the event loop (call_soon_threadsafe).
+HTTP handlers never touch the engine: they send commands and await their queue. A client that
+disconnects (or a stream that is cancelled) aborts its request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from cs336_inference.serving import SamplingParams
+
+DONE = object()  # put on a request's queue when the engine will send nothing more for it
+
+
+class APIError(Exception):
+    """A request we refuse: becomes an OpenAI-style JSON error with this HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+# ------------------------------------------------------------------ the engine's thread
+class EngineLoop:
+    """Owns the engine on one background thread; the event loop talks to it through commands."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.commands: queue.Queue = queue.Queue()
+        self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.commands.put(("wake",))
+        self._thread.join(timeout=10)
+
+    # called from the event loop ------------------------------------------------------------
+    async def add(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
+        """Queue a request; returns (request id, the queue its RequestOutputs arrive on).
+        Raises ValueError when the engine refuses it (too long, bad parameters)."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine thread died: {self.error!r}")
+        loop = asyncio.get_running_loop()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        out: asyncio.Queue = asyncio.Queue()
+        self.commands.put(("add", prompt_ids, params, loop, out, future))
+        rid = await asyncio.wrap_future(future)
+        return rid, out
+
+    def abort(self, request_id: str) -> None:
+        self.commands.put(("abort", request_id))
+
+    def call(self, fn) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine's thread between steps (e.g. to read engine.stats())."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.commands.put(("call", fn, future))
+        return future
+
+    # the thread ------------------------------------------------------------------------------
+    def _handle(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, prompt_ids, params, loop, out, future = command
+            try:
+                rid = self.engine.add_request(prompt_ids, params, request_id=uuid.uuid4().hex)
+            except Exception as e:  # the engine's ValueError for a bad request travels back
+                future.set_exception(e)
+                return
+            self.streams[rid] = (loop, out)
+            future.set_result(rid)
+        elif kind == "abort":
+            rid = command[1]
+            if self.streams.pop(rid, None) is not None:
+                self.engine.abort(rid)
+        elif kind == "call":
+            _, fn, future = command
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as e:
+                future.set_exception(e)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                # block for the next command when idle; otherwise take what is queued and step
+                try:
+                    idle = not self.engine.has_unfinished()
+                    self._handle(self.commands.get(timeout=0.5) if idle else self.commands.get_nowait())
+                    while True:
+                        self._handle(self.commands.get_nowait())
+                except queue.Empty:
+                    pass
+                if self._stop.is_set() or not self.engine.has_unfinished():
+                    continue
+                for out in self.engine.step():
+                    target = self.streams.get(out.request_id)
+                    if target is None:  # aborted meanwhile
+                        continue
+                    loop, q = target
+                    loop.call_soon_threadsafe(q.put_nowait, out)
+                    if out.finished:
+                        del self.streams[out.request_id]
+                        loop.call_soon_threadsafe(q.put_nowait, DONE)
+        except BaseException as e:  # a bug in the engine: fail every waiting request, loudly
+            self.error = e
+            for loop, q in self.streams.values():
+                loop.call_soon_threadsafe(q.put_nowait, DONE)
+            self.streams.clear()
+            raise
+
+
+# ------------------------------------------------------------------ request parsing
+@dataclass
+class Parsed:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, int) if integer else isinstance(value, int | float)
+    if isinstance(value, bool) or not ok:
+        kind = "an integer" if integer else "a number"
+        raise APIError(400, f"'{name}' must be {kind}, got {value!r}", param=name)
+    if not lo <= value <= hi:
+        raise APIError(400, f"'{name}' must be in [{lo:g}, {hi:g}], got {value!r}", param=name)
+    return value
+
+
+class RequestParser:
+    """Turns an OpenAI request body into prompt ids and SamplingParams, or raises APIError."""
+
+    def __init__(self, tokenizer, model_name: str, max_seq_len: int, capacity: int, stop_ids: list[int]):
+        self.tokenizer, self.model_name = tokenizer, model_name
+        self.max_seq_len, self.capacity, self.stop_ids = max_seq_len, capacity, stop_ids
+
+    def __call__(self, body: Any, chat: bool) -> Parsed:
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model != self.model_name:
+            raise APIError(
+                404, f"the model {model!r} does not exist; this server has {self.model_name!r}", "model",
+                "model_not_found",
+            )  # fmt: skip
+        if body.get("n") not in (None, 1):
+            raise APIError(400, "only n = 1 is supported", param="n")
+        if body.get("stop") not in (None, [], ""):
+            raise APIError(400, "stop strings are not supported (the model's EOS ends a reply)", "stop")
+        prompt_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
+        P = len(prompt_ids)
+        window = min(self.max_seq_len, self.capacity)
+        names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+        name = next((n for n in names if body.get(n) is not None), names[-1])
+        default = max(window - P, 1) if chat else 16  # OpenAI's defaults: the rest of the context / 16
+        max_tokens = _number(body, name, default, 1, 1 << 30, integer=True)
+        if P + max_tokens > window:
+            raise APIError(
+                400,
+                f"this model's context holds {window} tokens; the prompt has {P} and {name} asks for "
+                f"{max_tokens}",
+                param=name, code="context_length_exceeded",
+            )  # fmt: skip
+        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+        top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+        if top_p == 0.0:
+            raise APIError(400, "'top_p' must be > 0", param="top_p")
+        top_k = _number(body, "top_k", None, 1, 1 << 30, integer=True)  # an extension, like vLLM's
+        seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise APIError(400, f"'stream' must be true or false, got {stream!r}", param="stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise APIError(400, "'stream_options' must be an object", param="stream_options")
+        params = SamplingParams(
+            max_new_tokens=int(max_tokens),
+            temperature=float(temperature),
+            top_k=top_k,
+            top_p=None if top_p >= 1.0 else float(top_p),
+            seed=seed,
+            stop_token_ids=tuple(self.stop_ids),
+        )
+        return Parsed(prompt_ids, params, stream, bool(options.get("include_usage", False)))
+
+    def _completion_prompt(self, body: dict) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            V = self.tokenizer.vocab_size
+            if any(not 0 <= t < V for t in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {V})", param="prompt")
+        else:
+            raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt)", "prompt")
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return ids
+
+    def _chat_prompt(self, body: dict) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise APIError(400, "'messages' must be a non-empty list", param="messages")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise APIError(400, f"messages[{i}] needs a 'role'", param="messages")
+            content = m.get("content")
+            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+                parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+                if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
+                    raise APIError(400, f"messages[{i}]: only text content is supported", "messages")
+                content = "".join(parts)
+            if not isinstance(content, str):
+                raise APIError(400, f"messages[{i}] needs a string 'content'", param="messages")
+            clean.append({"role": m["role"], "content": content})
+        try:
+            text = self.tokenizer.apply_chat_template(clean, add_generation_prompt=True)
+        except ValueError as e:  # the template's raise_exception
+            raise APIError(400, str(e), param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+# ------------------------------------------------------------------ detokenizing a stream
+class TextStream:
+    """Token ids in, text deltas out: decode everything so far and send what is new, holding back
+    a trailing U+FFFD (half a UTF-8 character). The deltas concatenate to the final text, which
+    leaves out the stop token that ended the reply."""
+
+    def __init__(self, tokenizer, stop_ids: list[int]):
+        self.tokenizer, self.stop_ids = tokenizer, set(stop_ids)
+        self.ids: list[int] = []
+        self.sent = ""
+        self.finish_reason: str | None = None
+
+    def push(self, new_ids: list[int], finished: bool, finish_reason: str | None) -> str:
+        self.ids.extend(new_ids)
+        if finished:
+            self.finish_reason = finish_reason or "length"
+        text = self.text()
+        if (not finished and text.endswith("\ufffd")) or not text.startswith(self.sent):
+            return ""  # wait for the rest of the character (byte-level BPE never rewrites the past)
+        delta, self.sent = text[len(self.sent) :], text
+        return delta
+
+    @property
+    def completion_ids(self) -> list[int]:
+        ids = self.ids
+        return ids[:-1] if ids and self.finish_reason == "stop" and ids[-1] in self.stop_ids else ids
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.completion_ids)
+
+
+# ------------------------------------------------------------------ the app
+def create_app(engine, tokenizer, model_name: str, stop_token_ids: list[int] | None = None):
+    """The FastAPI app serving `engine` (an LLMEngine) as `model_name`.
+
+    Replies stop at the tokenizer's and the model config's EOS ids (or at stop_token_ids).
+    The engine's thread starts with the app (lifespan) and stops with it.
+    """
+    cfg = engine.model.config
+    if stop_token_ids is None:
+        stop_token_ids = sorted(set(tokenizer.eos_token_ids) | set(cfg.eos_token_ids or []))
+    stats = engine.stats()
+    block_size = getattr(engine, "block_size", None) or stats.get("block_size", 16)
+    capacity = int(stats["num_blocks"]) * int(block_size)
+    parse = RequestParser(tokenizer, model_name, cfg.max_seq_len, capacity, list(stop_token_ids))
+    runner = EngineLoop(engine)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        runner.start()
+        try:
+            yield
+        finally:
+            runner.stop()
+
+    app = FastAPI(title="cs336-inference", lifespan=lifespan)
+    app.state.runner = runner
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc):
+        return JSONResponse(APIError(404, f"no route {request.url.path}").body(), status_code=404)
+
+    @app.exception_handler(405)
+    async def not_allowed(request: Request, exc):
+        msg = f"{request.method} is not allowed on {request.url.path}"
+        return JSONResponse(APIError(405, msg).body(), status_code=405)
+
+    @app.get("/health")
+    async def health():
+        if runner.error is not None:
+            raise APIError(503, f"the engine thread died: {runner.error!r}")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "cs336-inference"}
+        return {"object": "list", "data": [card]}
+
+    async def read_body(request: Request) -> Any:
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+    async def start(parsed: Parsed) -> tuple[str, asyncio.Queue]:
+        try:
+            return await runner.add(parsed.prompt_ids, parsed.params)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except RuntimeError as e:
+            raise APIError(503, str(e)) from None
+
+    async def outputs(request: Request, rid: str, out: asyncio.Queue) -> AsyncIterator:
+        """The request's RequestOutputs until it finishes; aborts it if the client goes away
+        (or if whoever iterates stops early / is cancelled)."""
+        finished = False
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(out.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if item is DONE:
+                    finished = True
+                    if runner.error is not None:
+                        raise APIError(500, f"the engine failed: {runner.error!r}")
+                    return
+                yield item
+        finally:
+            if not finished:
+                runner.abort(rid)
+
+    def usage(parsed: Parsed, text: TextStream) -> dict:
+        P, n = len(parsed.prompt_ids), len(text.ids)
+        return {"prompt_tokens": P, "completion_tokens": n, "total_tokens": P + n}
+
+    async def handle(request: Request, chat: bool):
+        parsed = parse(await read_body(request), chat)
+        rid, out = await start(parsed)
+        kind = "chat.completion" if chat else "text_completion"
+        rid_public = ("chatcmpl-" if chat else "cmpl-") + rid
+        head = {"id": rid_public, "object": kind, "created": int(time.time()), "model": model_name}
+        text = TextStream(tokenizer, parse.stop_ids)
+
+        if not parsed.stream:
+            async for item in outputs(request, rid, out):
+                text.push(item.new_token_ids, item.finished, item.finish_reason)
+            if text.finish_reason is None:  # the client went away
+                return JSONResponse(APIError(499, "client disconnected").body(), status_code=499)
+            choice = {"index": 0, "finish_reason": text.finish_reason, "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text.text()}
+            else:
+                choice["text"] = text.text()
+            return {**head, "choices": [choice], "usage": usage(parsed, text)}
+
+        head["object"] = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, finish_reason: str | None, first: bool = False) -> str:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+            if chat:
+                choice["delta"] = ({"role": "assistant"} if first else {}) | (
+                    {} if delta is None else {"content": delta}
+                )
+            else:
+                choice["text"] = delta or ""
+            body = {**head, "choices": [choice]}
+            if parsed.include_usage:
+                body["usage"] = None
+            return f"data: {json.dumps(body)}\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            if chat:
+                yield chunk("", None, first=True)
+            async for item in outputs(request, rid, out):
+                delta = text.push(item.new_token_ids, item.finished, item.finish_reason)
+                if item.finished:
+                    if delta:
+                        yield chunk(delta, None)
+                    yield chunk(None, text.finish_reason)
+                elif delta:
+                    yield chunk(delta, None)
+            if text.finish_reason is None:
+                return  # aborted: the client is gone
+            if parsed.include_usage:
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(parsed, text)})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    return app

@@ -1,0 +1,80 @@
+"""Serve a model over an OpenAI-compatible HTTP API (continuous batching + a paged KV cache).
+
+    python scripts/serve.py                                  # SmolLM2-135M-Instruct on 127.0.0.1:8000
+    python scripts/serve.py --model path/to/model.gguf --port 8080 --num-blocks 512
+
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+      -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
+
+Needs the `serve` extra (pip install -e '.[serve]'). The server itself: cs336_inference/serving/server.py.
+Bad arguments exit with status 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="serve.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="folder, hub id or GGUF file (default: the SmolLM2 GGUF)")
+    p.add_argument("--name", help="the model's name in the API (default: the file or folder name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--num-blocks", type=int, default=256, help="KV cache blocks (default 256)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    p.add_argument("--max-batch-seqs", type=int, default=16, help="sequences per step (default 16)")
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (default 512)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not share prompt-prefix blocks")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    args = p.parse_args(argv)
+    for name in ("num_blocks", "block_size", "max_batch_seqs", "max_batch_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 < args.port < 65536:
+        p.error("--port must be in 1..65535")
+    try:
+        import uvicorn
+
+        from cs336_inference.serving.server import create_app
+    except ImportError as e:
+        print(f"serve.py: {e}; install the serve extra: pip install -e '.[serve]'", file=sys.stderr)
+        return 2
+
+    import torch
+
+    from cs336_inference.checkpoint import default_model_path, load_pretrained
+    from cs336_inference.serving import LLMEngine
+    from cs336_inference.sources import CheckpointError
+    from cs336_inference.tokenizer import load_tokenizer
+
+    try:
+        source = args.model or default_model_path()
+        model = load_pretrained(source, dtype=getattr(torch, args.dtype)).eval()
+        tokenizer = load_tokenizer(source)
+    except (CheckpointError, OSError, ValueError) as e:
+        print(f"serve.py: {e}", file=sys.stderr)
+        return 2
+    name = args.name or Path(str(source).rstrip("/")).name.split(".")[0]
+    engine = LLMEngine(
+        model,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_batch_tokens=args.max_batch_tokens,
+        max_batch_seqs=args.max_batch_seqs,
+        prefix_caching=not args.no_prefix_caching,
+    )
+    print(f"serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(create_app(engine, tokenizer, name), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""The OpenAI-compatible server: the official `openai` client against a live uvicorn on 127.0.0.1.
+
+The model is a tiny random one whose vocabulary is SmolLM2's, so the real tokenizer and chat template
+apply while each step costs little. Expected texts come from `generate` on the prompt alone.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from cs336_inference.checkpoint import default_model_path  # noqa: E402
+from cs336_inference.config import ModelConfig  # noqa: E402
+from cs336_inference.model import TransformerLM  # noqa: E402
+from cs336_inference.sampling import generate  # noqa: E402
+from cs336_inference.serving import LLMEngine  # noqa: E402
+from cs336_inference.serving.server import create_app  # noqa: E402
+from cs336_inference.tokenizer import load_tokenizer  # noqa: E402
+
+MODEL = "tiny-smollm2-vocab"
+NUM_BLOCKS, BLOCK_SIZE = 64, 16  # 1024 tokens of KV cache
+MAX_SEQ_LEN = 512
+
+
+class Server:
+    def __init__(self, model, tokenizer, engine):
+        self.model, self.tokenizer, self.engine = model, tokenizer, engine
+        self.aborted: list[str] = []
+        abort = engine.abort
+
+        def counting_abort(rid):  # runs on the engine's thread; lets the test see aborts happen
+            self.aborted.append(rid)
+            return abort(rid)
+
+        engine.abort = counting_abort
+        self.app = create_app(engine, tokenizer, MODEL)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))  # a free port, held from here on (no race with other processes)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=1)
+        self.uvicorn = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.uvicorn.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+        self.client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0
+        )
+
+    def stats(self) -> dict:
+        return self.app.state.runner.call(lambda e: e.stats()).result(timeout=10)
+
+    def post(self, path: str, body: bytes | dict) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        status, raw = resp.status, resp.read()
+        conn.close()
+        return status, json.loads(raw)
+
+    def expected(self, prompt_ids: list[int], max_tokens: int) -> str:
+        """What greedy `generate` alone gives for the prompt, as the server renders it."""
+        stops = sorted(set(self.tokenizer.eos_token_ids) | set(self.model.config.eos_token_ids))
+        ids = generate(self.model, prompt_ids, max_tokens, stop_token_ids=stops).tolist()
+        if ids and ids[-1] in stops:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids)
+
+
+@pytest.fixture(scope="module")
+def server():
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(default_model_path())
+    cfg = ModelConfig(
+        vocab_size=tokenizer.vocab_size, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
+        max_seq_len=MAX_SEQ_LEN, eos_token_id=tokenizer.eos_token_ids,
+    )  # fmt: skip
+    model = TransformerLM(cfg).eval()
+    engine = LLMEngine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_batch_seqs=8)
+    s = Server(model, tokenizer, engine)
+    yield s
+    s.uvicorn.should_exit = True
+    s.thread.join(timeout=10)
+
+
+def test_health_and_models(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    conn.request("GET", "/health")
+    resp = conn.getresponse()
+    assert resp.status == 200 and json.loads(resp.read()) == {"status": "ok"}
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+
+
+def test_completion_matches_generate(server):
+    prompt = "The capital of France is"
+    out = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    ids = server.tokenizer.encode(prompt)
+    assert out.choices[0].text == server.expected(ids, 12)
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert out.usage.prompt_tokens == len(ids) and 1 <= out.usage.completion_tokens <= 12
+
+
+def test_streamed_chat_equals_plain_chat_and_generate(server):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    plain = server.client.chat.completions.create(**kwargs)
+    chunks = list(server.client.chat.completions.create(stream=True, **kwargs))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+    assert len(chunks) > 3, f"expected one chunk per piece of text, got {len(chunks)}"
+    text = server.tokenizer.apply_chat_template(messages)
+    ids = server.tokenizer.encode(text, add_special_tokens=False)
+    alone = server.expected(ids, 20)
+    assert plain.choices[0].message.content == alone
+    assert streamed == alone, f"streamed {streamed!r} != generate alone {alone!r}"
+
+
+def test_concurrent_burst_all_succeed(server):
+    prompts = [f"Request number {i} says" + " hello" * i for i in range(12)]
+
+    def one(prompt):
+        out = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0)
+        return out.choices[0].text
+
+    steps_before = server.stats()["steps"]
+    with ThreadPoolExecutor(12) as pool:
+        texts = list(pool.map(one, prompts))
+    steps = server.stats()["steps"] - steps_before
+    assert steps < 12 * 10, f"{steps} engine steps for 12 x 10 tokens: the requests were not batched"
+    for i, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
+        alone = server.expected(server.tokenizer.encode(prompt), 10)
+        assert text == alone, f"request {i}: served {text!r} != generate alone {alone!r}"
+    stats = server.stats()
+    assert stats["free_blocks"] == stats["num_blocks"], f"blocks leaked after the burst: {stats}"
+
+
+BAD = {
+    "malformed JSON": (b'{"model": "tiny", "prompt": ', 400),
+    "unknown model": ({"model": "gpt-5", "prompt": "hi", "max_tokens": 4}, 404),
+    "max_tokens = 0": ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400),
+    "max_tokens < 0": ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400),
+    "over-long prompt": ({"model": MODEL, "prompt": "word " * 2000, "max_tokens": 4}, 400),
+    "prompt + max_tokens too long": ({"model": MODEL, "prompt": "hi", "max_tokens": MAX_SEQ_LEN}, 400),
+    "temperature < 0": ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400),
+    "top_p > 1": ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400),
+    "prompt missing": ({"model": MODEL, "max_tokens": 4}, 400),
+    "not an object": (b"[1, 2]", 400),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_request_gets_4xx_json_and_server_keeps_serving(server, case):
+    body, status = BAD[case]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        if path.endswith("chat/completions") and isinstance(body, dict):
+            body = {k: v for k, v in body.items() if k != "prompt"}
+            if "prompt" in BAD[case][0]:
+                body["messages"] = [{"role": "user", "content": BAD[case][0]["prompt"]}]
+        got, reply = server.post(path, body)
+        assert got == status, f"{case} on {path}: expected HTTP {status}, got {got}: {reply}"
+        err = reply.get("error", {})
+        assert isinstance(err.get("message"), str) and err.get("type"), f"{case}: not OpenAI's shape: {reply}"
+    out = server.client.completions.create(model=MODEL, prompt="still there?", max_tokens=3, temperature=0)
+    assert out.choices[0].text == server.expected(server.tokenizer.encode("still there?"), 3)
+
+
+def test_openai_client_raises_on_unknown_model(server):
+    with pytest.raises(openai.NotFoundError):
+        server.client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        server.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=0
+        )
+
+
+def test_client_disconnect_mid_stream_frees_blocks(server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": MAX_SEQ_LEN - 16, "stream": True}
+    before = len(server.aborted)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request(
+        "POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"}
+    )
+    resp = conn.getresponse()
+    assert resp.status == 200
+    first = resp.readline()
+    assert first.startswith(b"data: "), first
+    stats = server.stats()
+    assert stats["free_blocks"] < stats["num_blocks"], "the streaming request should hold blocks"
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-stream
+    conn.close()
+    deadline = time.monotonic() + 15
+    while (stats := server.stats())["free_blocks"] != stats["num_blocks"]:
+        assert time.monotonic() < deadline, f"blocks not freed after the client left: {stats}"
+        time.sleep(0.05)
+    assert len(server.aborted) == before + 1, "the request should have been aborted, not run to the end"
+    out = server.client.completions.create(model=MODEL, prompt="after", max_tokens=3, temperature=0)
+    assert out.choices[0].text == server.expected(server.tokenizer.encode("after"), 3)
