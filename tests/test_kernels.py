@@ -140,8 +140,8 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kernels_on, name, d_out
 
 def test_prefill_and_autograd_stay_on_the_pytorch_path(kernels_on):
     layer, _, _, _ = make_layer("int8", 37, 70, None)
-    x = torch.randn(17, 70)
-    assert kernels.quantized_linear(layer, x) is None, "17 rows: prefill stays on BLAS"
+    x = torch.randn(kernels.MAX_ROWS + 1, 70)
+    assert kernels.quantized_linear(layer, x) is None, f"{kernels.MAX_ROWS + 1} rows: prefill stays on BLAS"
     lin = Linear(70, 37)  # requires_grad weights, grad mode on: the kernel must not cut the graph
     y = lin(torch.randn(2, 70))
     assert y.requires_grad and y.grad_fn is not None

@@ -1,4 +1,4 @@
-"""Fast products for the decode shapes (x of 1..16 rows times a weight), staff code.
+"""Fast products for the decode shapes (x of 1..32 rows times a weight), staff code.
 
 Decode reads every weight once per step for a few FLOPs per byte, so its speed is bytes over
 bandwidth, and a product must (1) read the stored weight (int8, int4, llama.cpp blocks) without
@@ -15,7 +15,7 @@ ops.py      argument checks and calls (None when a call is not one the kernels h
 layout.py   the fp32 path of layers.Linear: layout and product chosen per shape by measurement
 
 quantization.linear.KERNELS is filled from QUANTIZED; layers.Linear calls `decode_linear`.
-Prefill (more than 16 rows) stays on BLAS.
+Prefill (more than 32 rows) stays on BLAS. 32 covers a speculative verification of up to 31 drafts.
 """
 
 from .build import enabled, library

@@ -1,25 +1,29 @@
-/* Decode-shape products y[M, O] = x[M, I] W^T (+ b) for M = 1..16 rows, straight from the stored weight.
+/* Decode-shape products y[M, O] = x[M, I] W^T (+ b) for M = 1..32 rows, straight from the stored weight.
 
    Every kernel reads each weight byte from memory once per call and runs all M rows against it,
    with OpenMP over the output rows (or column tiles). Row m of y is computed by exactly the same
    floating-point operations whatever M is (rows never share a reduction), so a row's result is
    bitwise independent of how many rows are in the call: what speculative verification needs.
 
-   Row-major kernels (W stored [O, I]: fp32, int8, int4, Q8_0, Q4_0, Q4_1) dequantize one weight
-   row into a float buffer (in L1) and take its dot product with every x row:
+   Row-major kernels (W stored [O, I]: fp32, int8, int4, Q8_0, Q4_0, Q4_1) take 4 weight rows at a
+   time and decode them in registers, VL inputs (fp32, int8) or one 32-block at a time, then
+   multiply-add them into one VL-lane accumulator per (x row, weight row) pair, 4 x rows at a time:
 
-       four 8-lane accumulators over blocks of 32 inputs, summed (a0 + a1) + (a2 + a3), then the
-       lanes in a fixed order, then the inputs past the last whole block one by one.
+       accumulate in input order, sum the lanes (vsum4, a fixed tree), then the inputs past the last
+       whole vector one by one.
 
-   The dequantized numbers are the reference's (ggml_blocks.py, int4.py): d * q for Q8_0,
-   d * (q - 8) for Q4_0, d * q + m for Q4_1 (two roundings: compiled with -ffp-contract=off),
+   The decoded numbers are the reference's (ggml_blocks.py, int4.py): d * q for Q8_0,
+   (q - 8) * d for Q4_0, d * q + m for Q4_1 (two roundings: compiled with -ffp-contract=off),
    (q - zero) * scale for int4; int8 multiplies the row's dot product of q by its scale instead.
+   With AVX-512 the 4-bit formats look their values up in a 16-entry table per block or group
+   (vpermps), which costs two instructions per 16 weights instead of five.
 
    The column-major fp32 kernel (W^T stored [I, O], how layers.Linear keeps its weight) adds
    x[m, i] * W^T[i, o0:o0+32] into 32-wide tiles of y in input order (one fma chain per output).
 
-   Compiled on first use by kernels/build.py (gcc -O3 -march=native -fopenmp); without AVX2 / FMA /
-   F16C the plain C loops below run instead (same structure, no intrinsics).
+   Compiled on first use by kernels/build.py (gcc -O3 -march=native -fopenmp). The vectors are GCC
+   vector types (16 lanes with AVX-512, 8 with AVX2, 4 otherwise), so one source serves every
+   x86-64 CPU; the few intrinsics (conversions, fma, the lookup) have plain C versions.
 */
 #include <math.h>
 #include <stdint.h>
@@ -63,152 +67,161 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-/* ------------------------------------------------------------------ dot products of one weight row */
+/* ------------------------------------------------------------------ vectors
 
-#ifdef CS336_AVX2
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+   GCC vector types: VL float lanes (16 with AVX-512, 8 with AVX2, 4 otherwise); the compiler lowers
+   them to whatever the target has, so one source serves every CPU. Products use an explicit fused
+   multiply-add (the file is compiled with -ffp-contract=off: nothing else is fused). */
 
-/* s[r][j] = w[j] . x[r] for R rows and J weight rows (R * J <= 2). Each (row, weight row) pair gets
-   its own four accumulators and the same operations whatever R and J are. */
-static inline void dot_RJ(const float *w0, const float *w1, i64 I, const float *x, i64 ldx, int R, int J,
-                          float s[2][2]) {
-    const float *w[2] = {w0, w1};
-    __m256 a[2][2][4];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < J; j++)
-            for (int k = 0; k < 4; k++) a[r][j][k] = _mm256_setzero_ps();
-    i64 I32 = I & ~(i64)31;
-    for (i64 i = 0; i < I32; i += 32)
-        for (int j = 0; j < J; j++) {
-            __m256 v0 = _mm256_loadu_ps(w[j] + i), v1 = _mm256_loadu_ps(w[j] + i + 8);
-            __m256 v2 = _mm256_loadu_ps(w[j] + i + 16), v3 = _mm256_loadu_ps(w[j] + i + 24);
-            for (int r = 0; r < R; r++) {
-                const float *xr = x + r * ldx + i;
-                a[r][j][0] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(xr), a[r][j][0]);
-                a[r][j][1] = _mm256_fmadd_ps(v1, _mm256_loadu_ps(xr + 8), a[r][j][1]);
-                a[r][j][2] = _mm256_fmadd_ps(v2, _mm256_loadu_ps(xr + 16), a[r][j][2]);
-                a[r][j][3] = _mm256_fmadd_ps(v3, _mm256_loadu_ps(xr + 24), a[r][j][3]);
-            }
-        }
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < J; j++) {
-            float t = hsum8(_mm256_add_ps(_mm256_add_ps(a[r][j][0], a[r][j][1]), _mm256_add_ps(a[r][j][2], a[r][j][3])));
-            const float *xr = x + r * ldx;
-            for (i64 i = I32; i < I; i++) t = fmaf(w[j][i], xr[i], t);
-            s[r][j] = t;
-        }
-}
-#endif
-
-/* s[m][j] = w_j . x[m] for all M rows and J = 1 or 2 weight rows (w1 unused when J = 1) */
-static void dot_rows(const float *w0, const float *w1, int J, i64 I, const float *x, i64 ldx, i64 M, float s[16][2]) {
-#ifdef CS336_AVX2
-    float t[2][2];
-    i64 m = 0;
-    for (; m + 2 <= M; m += 2)
-        for (int j = 0; j < J; j++) {
-            dot_RJ(j ? w1 : w0, NULL, I, x + m * ldx, ldx, 2, 1, t);
-            s[m][j] = t[0][0], s[m + 1][j] = t[1][0];
-        }
-    if (m < M) {
-        dot_RJ(w0, w1, I, x + m * ldx, ldx, 1, J, t);
-        for (int j = 0; j < J; j++) s[m][j] = t[0][j];
-    }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define VL 16
+#elif defined(CS336_AVX2)
+#define VL 8
 #else
-    for (int j = 0; j < J; j++) {
-        const float *w = j ? w1 : w0;
-        for (i64 m = 0; m < M; m++) {
-            float lanes[32] = {0};
-            const float *xm = x + m * ldx;
-            i64 I32 = I & ~(i64)31, i = 0;
-            for (; i < I32; i += 32)
-                for (int k = 0; k < 32; k++) lanes[k] = fmaf(w[i + k], xm[i + k], lanes[k]);
-            float t = 0;
-            for (int k = 0; k < 32; k++) t += lanes[k];
-            for (; i < I; i++) t = fmaf(w[i], xm[i], t);
-            s[m][j] = t;
-        }
-    }
+#define VL 4
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+typedef uint8_t vu8 __attribute__((vector_size(VL)));
+
+static inline vf vload(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf vsplat(float a) {
+#if VL == 16
+    return (vf)_mm512_set1_ps(a);
+#elif VL == 8
+    return (vf)_mm256_set1_ps(a);
+#else
+    return (vf){a, a, a, a};
 #endif
 }
 
-/* ------------------------------------------------------------------ dequantize one weight row */
+static inline vf vfma(vf a, vf b, vf c) {
+#if VL == 16
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif VL == 8
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    vf r;
+    for (int k = 0; k < VL; k++) r[k] = fmaf(a[k], b[k], c[k]);
+    return r;
+#endif
+}
+
+/* out[j] = the lanes of a_j summed, for four vectors at once (a transpose of partial sums): every
+   output is the same tree of its own vector's lanes, whatever the other three hold */
+static inline void vsum4(vf a0, vf a1, vf a2, vf a3, float out[4]) {
+#if VL == 16
+    __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps((__m512)a0, (__m512)a1), _mm512_unpackhi_ps((__m512)a0, (__m512)a1));
+    __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps((__m512)a2, (__m512)a3), _mm512_unpackhi_ps((__m512)a2, (__m512)a3));
+    __m512d d01 = _mm512_castps_pd(t01), d23 = _mm512_castps_pd(t23);
+    __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d01, d23)), _mm512_castpd_ps(_mm512_unpackhi_pd(d01, d23)));
+    __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+#elif VL == 8
+    __m256 t01 = _mm256_add_ps(_mm256_unpacklo_ps((__m256)a0, (__m256)a1), _mm256_unpackhi_ps((__m256)a0, (__m256)a1));
+    __m256 t23 = _mm256_add_ps(_mm256_unpacklo_ps((__m256)a2, (__m256)a3), _mm256_unpackhi_ps((__m256)a2, (__m256)a3));
+    __m256d d01 = _mm256_castps_pd(t01), d23 = _mm256_castps_pd(t23);
+    __m256 u = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(d01, d23)), _mm256_castpd_ps(_mm256_unpackhi_pd(d01, d23)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+#else
+    vf a[4] = {a0, a1, a2, a3};
+    for (int j = 0; j < 4; j++) out[j] = (a[j][0] + a[j][2]) + (a[j][1] + a[j][3]);
+#endif
+}
+
+/* ------------------------------------------------------------------ dequantize one weight row
+
+   Into a float row buffer, with the reference's numbers (ggml_blocks.py, int4.py): d * q for Q8_0,
+   (q - 8) * d for Q4_0, d * q + m for Q4_1 (two roundings), (q - zero) * scale for int4; int8
+   writes q and the row's dot product is multiplied by its scale afterwards, as the reference's
+   per-channel scale can be taken out of the sum. */
 
 enum { FMT_F32 = 0, FMT_INT8 = 1, FMT_INT4 = 2, FMT_Q8_0 = 3, FMT_Q4_0 = 4, FMT_Q4_1 = 5 };
 
 typedef struct {
     int fmt;
-    const void *w;          /* the stored weight, row-major [O, row_bytes] */
-    i64 row_bytes;          /* bytes per stored row */
-    const float *scale_f32; /* int8: [O] */
+    const void *w;           /* the stored weight, row-major [O, row_bytes] */
+    i64 row_bytes;           /* bytes per stored row */
+    const float *scale_f32;  /* int8: [O] */
     const uint16_t *scale16; /* int4: fp16 [O, G] */
-    const uint8_t *zero;    /* int4: [O, G] */
-    i64 groups;             /* int4: G */
-    int gshift;             /* int4: group size = 32 << gshift (the fused path), or -1 */
+    const uint8_t *zero;     /* int4: [O, G] */
+    i64 groups;              /* int4: G */
+    int gshift;              /* int4: log2 of the group size when it is a power of two, else -1 */
 } Weight;
 
-#ifdef CS336_AVX2
-static inline __m256 u8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-static inline __m256 i8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
-#endif
-
-/* 16 bytes of nibbles -> 32 floats: byte j -> (low nibble, high nibble) at (j, j + 16) when
-   `pairs` is 0 (llama.cpp), at (2j, 2j + 1) when `pairs` is 1 (int4.py); then (q - sub) * mul, or
-   mul * q + add when q41 */
-#ifdef CS336_AVX2
-static inline void nibbles32v(const uint8_t *p, int pairs, float sub, float mul, float add, int q41, __m256 v[4]) {
-    __m128i b = _mm_loadu_si128((const __m128i *)p), m4 = _mm_set1_epi8(0x0f);
-    __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
-    __m128i first = lo, second = hi;
-    if (pairs) {
-        first = _mm_unpacklo_epi8(lo, hi);
-        second = _mm_unpackhi_epi8(lo, hi);
-    }
-    __m256 vs = _mm256_set1_ps(sub), vm = _mm256_set1_ps(mul), va = _mm256_set1_ps(add);
-    __m256 q[4] = {u8x8_to_ps(first), u8x8_to_ps(_mm_srli_si128(first, 8)), u8x8_to_ps(second),
-                   u8x8_to_ps(_mm_srli_si128(second, 8))};
-    for (int k = 0; k < 4; k++)
-        v[k] = q41 ? _mm256_add_ps(_mm256_mul_ps(vm, q[k]), va) : _mm256_mul_ps(_mm256_sub_ps(q[k], vs), vm);
-}
-#endif
-
-static inline void nibbles32(const uint8_t *p, int pairs, float sub, float mul, float add, int q41, float *out) {
-#ifdef CS336_AVX2
-    __m256 v[4];
-    nibbles32v(p, pairs, sub, mul, add, q41, v);
-    for (int k = 0; k < 4; k++) _mm256_storeu_ps(out + 8 * k, v[k]);
+/* VL bytes -> VL floats (unsigned or signed): intrinsics, as GCC 12 turns __builtin_convertvector of
+   bytes into scalar code */
+static inline vf bytes_to_vf(vu8 b) {
+#if VL == 16
+    __m128i v;
+    memcpy(&v, &b, 16);
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+#elif VL == 8
+    __m128i v = _mm_loadl_epi64((const __m128i *)&b);
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
 #else
-    for (int j = 0; j < 16; j++) {
-        float a = (float)(p[j] & 0x0f), b = (float)(p[j] >> 4);
-        int ia = pairs ? 2 * j : j, ib = pairs ? 2 * j + 1 : j + 16;
-        out[ia] = q41 ? mul * a + add : (a - sub) * mul;
-        out[ib] = q41 ? mul * b + add : (b - sub) * mul;
-    }
+    vf r;
+    for (int k = 0; k < VL; k++) r[k] = (float)b[k];
+    return r;
 #endif
 }
+
+static inline vf int8_to_vf(const int8_t *p) {
+#if VL == 16
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif VL == 8
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    vf r;
+    for (int k = 0; k < VL; k++) r[k] = (float)p[k];
+    return r;
+#endif
+}
+
+/* VL bytes of nibbles at p -> the low nibbles' and the high nibbles' values as floats */
+static inline void nibbles(const uint8_t *p, vf *lo, vf *hi) {
+    vu8 b;
+    memcpy(&b, p, VL);
+    *lo = bytes_to_vf(b & 0x0f);
+    *hi = bytes_to_vf(b >> 4);
+}
+
+#if VL == 16
+#define LO_MASK {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23}
+#define HI_MASK {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31}
+#elif VL == 8
+#define LO_MASK {0, 8, 1, 9, 2, 10, 3, 11}
+#define HI_MASK {4, 12, 5, 13, 6, 14, 7, 15}
+#else
+#define LO_MASK {0, 4, 1, 5}
+#define HI_MASK {2, 6, 3, 7}
+#endif
 
 static void dequantize_row(const Weight *W, i64 o, i64 I, float *out) {
     const uint8_t *row = (const uint8_t *)W->w + o * W->row_bytes;
     if (W->fmt == FMT_INT8) {
-        const int8_t *q = (const int8_t *)row;
         i64 i = 0;
-#ifdef CS336_AVX2
-        for (; i + 8 <= I; i += 8) _mm256_storeu_ps(out + i, i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(q + i))));
-#endif
-        for (; i < I; i++) out[i] = (float)q[i];
-    } else if (W->fmt == FMT_INT4) {
+        for (; i + VL <= I; i += VL) vstore(out + i, int8_to_vf((const int8_t *)row + i));
+        for (; i < I; i++) out[i] = (float)((const int8_t *)row)[i];
+    } else if (W->fmt == FMT_INT4) { /* byte j of a group: weights 2j (low nibble) and 2j + 1 (high) */
         i64 gs = I / W->groups;
         for (i64 g = 0; g < W->groups; g++) {
             float s = half_to_float(W->scale16[o * W->groups + g]), z = (float)W->zero[o * W->groups + g];
             const uint8_t *p = row + g * gs / 2;
             float *dst = out + g * gs;
+            vf vs = vsplat(s), vz = vsplat(z), lo, hi;
             i64 j = 0;
-            for (; j + 32 <= gs; j += 32) nibbles32(p + j / 2, 1, z, s, 0.f, 0, dst + j);
+            for (; j + 2 * VL <= gs; j += 2 * VL) {
+                nibbles(p + j / 2, &lo, &hi);
+                lo = (lo - vz) * vs, hi = (hi - vz) * vs;
+                vstore(dst + j, __builtin_shuffle(lo, hi, (vi)LO_MASK));
+                vstore(dst + j + VL, __builtin_shuffle(lo, hi, (vi)HI_MASK));
+            }
             for (; j < gs; j += 2) {
                 uint8_t b = p[j / 2];
                 dst[j] = ((float)(b & 0x0f) - z) * s;
@@ -218,136 +231,182 @@ static void dequantize_row(const Weight *W, i64 o, i64 I, float *out) {
     } else if (W->fmt == FMT_Q8_0) {
         for (i64 blk = 0; blk < I / 32; blk++) {
             const uint8_t *p = row + blk * 34;
-            float d = half_to_float(read_u16(p));
-            const int8_t *q = (const int8_t *)(p + 2);
-#ifdef CS336_AVX2
-            __m256 vd = _mm256_set1_ps(d);
-            for (int k = 0; k < 4; k++)
-                _mm256_storeu_ps(out + blk * 32 + 8 * k,
-                                 _mm256_mul_ps(vd, i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(q + 8 * k)))));
-#else
-            for (int k = 0; k < 32; k++) out[blk * 32 + k] = d * (float)q[k];
-#endif
+            vf d = vsplat(half_to_float(read_u16(p)));
+            for (int k = 0; k < 32; k += VL) vstore(out + blk * 32 + k, d * int8_to_vf((const int8_t *)p + 2 + k));
         }
-    } else if (W->fmt == FMT_Q4_0) {
+    } else { /* Q4_0 / Q4_1: byte j of a block holds weights j (low nibble) and j + 16 (high) */
+        int q41 = W->fmt == FMT_Q4_1;
+        i64 bytes = q41 ? 20 : 18;
         for (i64 blk = 0; blk < I / 32; blk++) {
-            const uint8_t *p = row + blk * 18;
-            nibbles32(p + 2, 0, 8.f, half_to_float(read_u16(p)), 0.f, 0, out + blk * 32);
-        }
-    } else { /* FMT_Q4_1 */
-        for (i64 blk = 0; blk < I / 32; blk++) {
-            const uint8_t *p = row + blk * 20;
-            nibbles32(p + 4, 0, 0.f, half_to_float(read_u16(p)), half_to_float(read_u16(p + 2)), 1, out + blk * 32);
-        }
-    }
-}
-
-#ifdef CS336_AVX2
-/* Block blk (32 weights) of weight row o in four registers: the numbers dequantize_row writes. */
-static inline void block32(const Weight *W, int fmt, i64 o, i64 blk, i64 I, __m256 v[4]) {
-    const uint8_t *row = (const uint8_t *)W->w + o * W->row_bytes;
-    if (fmt == FMT_F32) {
-        for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps((const float *)row + blk * 32 + 8 * k);
-    } else if (fmt == FMT_INT8) {
-        for (int k = 0; k < 4; k++) v[k] = i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(row + blk * 32 + 8 * k)));
-    } else if (fmt == FMT_INT4) {
-        i64 g = blk >> W->gshift;
-        float sc = half_to_float(W->scale16[o * W->groups + g]), z = (float)W->zero[o * W->groups + g];
-        nibbles32v(row + blk * 16, 1, z, sc, 0.f, 0, v);
-    } else if (fmt == FMT_Q8_0) {
-        const uint8_t *p = row + blk * 34;
-        __m256 vd = _mm256_set1_ps(half_to_float(read_u16(p)));
-        for (int k = 0; k < 4; k++) v[k] = _mm256_mul_ps(vd, i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(p + 2 + 8 * k))));
-    } else if (fmt == FMT_Q4_0) {
-        const uint8_t *p = row + blk * 18;
-        nibbles32v(p + 2, 0, 8.f, half_to_float(read_u16(p)), 0.f, 0, v);
-    } else {
-        const uint8_t *p = row + blk * 20;
-        nibbles32v(p + 4, 0, 0.f, half_to_float(read_u16(p)), half_to_float(read_u16(p + 2)), 1, v);
-    }
-}
-
-/* dot_RJ without the float buffer: the weights are dequantized in registers (M <= 2). The same
-   operations per (row, weight row) as dot_RJ on dequantize_row's output, so the same result. */
-static inline void fused_RJ(const Weight *W, int fmt, i64 o, int J, const float *x, i64 ldx, int R, i64 I,
-                            float s[2][2]) {
-    __m256 a[2][2][4];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < J; j++)
-            for (int k = 0; k < 4; k++) a[r][j][k] = _mm256_setzero_ps();
-    i64 I32 = I & ~(i64)31;
-    for (i64 blk = 0; blk < I32 / 32; blk++)
-        for (int j = 0; j < J; j++) {
-            __m256 v[4];
-            block32(W, fmt, o + j, blk, I, v);
-            for (int r = 0; r < R; r++) {
-                const float *xr = x + r * ldx + blk * 32;
-                for (int k = 0; k < 4; k++) a[r][j][k] = _mm256_fmadd_ps(v[k], _mm256_loadu_ps(xr + 8 * k), a[r][j][k]);
+            const uint8_t *p = row + blk * bytes;
+            float d = half_to_float(read_u16(p)), m = q41 ? half_to_float(read_u16(p + 2)) : 0.f;
+            vf vd = vsplat(d), vm = vsplat(m), v8 = vsplat(8.f), lo, hi;
+            for (int k = 0; k < 16; k += VL) {
+                nibbles(p + (q41 ? 4 : 2) + k, &lo, &hi);
+                vstore(out + blk * 32 + k, q41 ? vd * lo + vm : (lo - v8) * vd);
+                vstore(out + blk * 32 + 16 + k, q41 ? vd * hi + vm : (hi - v8) * vd);
             }
         }
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < J; j++) {
-            float t = hsum8(_mm256_add_ps(_mm256_add_ps(a[r][j][0], a[r][j][1]), _mm256_add_ps(a[r][j][2], a[r][j][3])));
-            const float *xr = x + r * ldx;
-            const uint8_t *row = (const uint8_t *)W->w + (o + j) * W->row_bytes;
-            for (i64 i = I32; i < I; i++) /* only fp32 and int8 rows have a partial block */
-                t = fmaf(fmt == FMT_F32 ? ((const float *)row)[i] : (float)((const int8_t *)row)[i], xr[i], t);
-            s[r][j] = t;
-        }
-}
-
-static inline void fused_pair(const Weight *W, int fmt, i64 o, int J, const float *x, i64 ldx, i64 M, i64 I,
-                              float s[16][2]) {
-    float t[2][2];
-    if (M == 2) {
-        for (int j = 0; j < J; j++) {
-            fused_RJ(W, fmt, o + j, 1, x, ldx, 2, I, t);
-            s[0][j] = t[0][0], s[1][j] = t[1][0];
-        }
-    } else {
-        fused_RJ(W, fmt, o, J, x, ldx, 1, I, t);
-        for (int j = 0; j < J; j++) s[0][j] = t[0][j];
     }
 }
-#endif
 
-/* y[m, o] = (x[m] . W[o]) (* scale[o] for int8) (+ bias[o]) for the row-major formats; output rows
-   go in pairs (two weight rows against the last odd x row keep 8 fma chains busy at M = 1) */
+/* Weights [i, i + VL) of an fp32 or int8 row, and weights [i, i + 32) of a block-format row as
+   32 / VL vectors, decoded in registers: the numbers dequantize_row writes. int4 here needs groups
+   of 2^gshift weights, a multiple of 32 (`fused_ok`); other int4 rows go through the buffer. */
+static inline __attribute__((always_inline)) vf chunk(int fmt, const uint8_t *row, i64 i) {
+    return fmt == FMT_F32 ? vload((const float *)row + i) : int8_to_vf((const int8_t *)row + i);
+}
+
+static inline __attribute__((always_inline)) void block(const Weight *W, int fmt, const uint8_t *row, i64 o, i64 i,
+                                                         vf w[32 / VL]) {
+    if (fmt == FMT_Q8_0) {
+        const uint8_t *p = row + i / 32 * 34;
+        vf d = vsplat(half_to_float(read_u16(p)));
+        for (int c = 0; c < 32 / VL; c++) w[c] = d * int8_to_vf((const int8_t *)p + 2 + c * VL);
+    } else if (fmt == FMT_INT4) { /* 16 bytes: weights i, i + 1, ... as (low, high) nibble pairs */
+        i64 g = o * W->groups + (i >> W->gshift);
+        vf z = vsplat((float)W->zero[g]), sc = vsplat(half_to_float(W->scale16[g])), lo, hi;
+#if VL == 16
+        /* a 16-entry table of the group's 16 values, looked up by nibble (vpermps reads the low 4 bits
+           of each index): byte k of 8 is repeated, widened, and shifted right by 0 or 4 */
+        vf lut = ((vf)_mm512_cvtepi32_ps(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)) - z) * sc;
+        const __m128i twice = _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+        const __m512i shift = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+        for (int c = 0; c < 2; c++) {
+            __m128i b = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)(row + i / 2 + 8 * c)), twice);
+            __m512i idx = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(b), shift);
+            w[c] = (vf)_mm512_permutexvar_ps(idx, (__m512)lut);
+        }
+        return;
+#endif
+        for (int c = 0; c < 32 / VL; c += 2) {
+            nibbles(row + i / 2 + c * VL / 2, &lo, &hi);
+            lo = (lo - z) * sc, hi = (hi - z) * sc;
+            w[c] = __builtin_shuffle(lo, hi, (vi)LO_MASK);
+            w[c + 1] = __builtin_shuffle(lo, hi, (vi)HI_MASK);
+        }
+    } else { /* Q4_0 / Q4_1: byte k of the block holds weights k (low nibble) and k + 16 (high) */
+        int q41 = fmt == FMT_Q4_1;
+        const uint8_t *p = row + i / 32 * (q41 ? 20 : 18);
+        vf d = vsplat(half_to_float(read_u16(p))), m = vsplat(q41 ? half_to_float(read_u16(p + 2)) : 0.f);
+        vf v8 = vsplat(8.f), lo, hi;
+#if VL == 16
+        /* a 16-entry table of the block's 16 values, looked up by nibble (vpermps reads the low 4 bits) */
+        vf k = (vf)_mm512_cvtepi32_ps(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+        vf lut = q41 ? d * k + m : (k - v8) * d;
+        __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + (q41 ? 4 : 2))));
+        w[0] = (vf)_mm512_permutexvar_ps(idx, (__m512)lut);
+        w[1] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), (__m512)lut);
+        return;
+#endif
+        for (int c = 0; c < 16 / VL; c++) {
+            nibbles(p + (q41 ? 4 : 2) + c * VL, &lo, &hi);
+            w[c] = q41 ? d * lo + m : (lo - v8) * d;
+            w[16 / VL + c] = q41 ? d * hi + m : (hi - v8) * d;
+        }
+    }
+}
+
+static int fused_ok(const Weight *W, i64 I) {
+    return W->fmt != FMT_INT4 || (W->gshift >= 5 && (I / W->groups) == ((i64)1 << W->gshift));
+}
+
+/* ------------------------------------------------------------------ a tile: 4 weight rows x R rows
+
+   s[r][j] = w_j . x[r] for R <= 4 rows of x and the weight rows oj[0..3]: one vector accumulator
+   per (row, weight row) pair, VL inputs at a time in input order, its lanes summed by vsum4, then
+   the inputs past the last whole vector one by one (only fp32 and int8 rows have those). The
+   operations of a pair are the same whatever R is and whichever tile it is in, so a row's result
+   does not depend on the rows beside it. */
+
+static inline __attribute__((always_inline)) void tile(const Weight *W, int fmt, const i64 oj[4], const float *x,
+                                                        i64 ldx, int R, i64 I, float s[][4]) {
+    const uint8_t *row[4];
+    for (int j = 0; j < 4; j++) row[j] = (const uint8_t *)W->w + oj[j] * W->row_bytes;
+    vf a[4][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) a[r][j] = (vf){0};
+    i64 i = 0;
+    if (fmt == FMT_F32 || fmt == FMT_INT8) {
+        for (; i + VL <= I; i += VL) {
+            vf w0 = chunk(fmt, row[0], i), w1 = chunk(fmt, row[1], i), w2 = chunk(fmt, row[2], i), w3 = chunk(fmt, row[3], i);
+            for (int r = 0; r < R; r++) {
+                vf xv = vload(x + r * ldx + i);
+                a[r][0] = vfma(w0, xv, a[r][0]);
+                a[r][1] = vfma(w1, xv, a[r][1]);
+                a[r][2] = vfma(w2, xv, a[r][2]);
+                a[r][3] = vfma(w3, xv, a[r][3]);
+            }
+        }
+    } else { /* block formats: 32 weights at a time (I is a multiple of 32), the same order */
+        for (; i + 32 <= I; i += 32) {
+            vf w[4][32 / VL];
+            for (int j = 0; j < 4; j++) block(W, fmt, row[j], oj[j], i, w[j]);
+            for (int c = 0; c < 32 / VL; c++)
+                for (int r = 0; r < R; r++) {
+                    vf xv = vload(x + r * ldx + i + c * VL);
+                    for (int j = 0; j < 4; j++) a[r][j] = vfma(w[j][c], xv, a[r][j]);
+                }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float t[4];
+        vsum4(a[r][0], a[r][1], a[r][2], a[r][3], t);
+        for (int j = 0; j < 4; j++) {
+            for (i64 k = i; k < I; k++) {
+                float wk = fmt == FMT_F32 ? ((const float *)row[j])[k] : (float)((const int8_t *)row[j])[k];
+                t[j] = fmaf(wk, x[r * ldx + k], t[j]);
+            }
+            s[r][j] = t[j];
+        }
+    }
+}
+
+#define MAX_M 32
+#define TILE_R(F)                                                                                            \
+    switch (R) { /* one specialized copy per format and number of rows */                                   \
+    case 1: tile(W, F, oj, xm, ldx, 1, I, s); break;                                                         \
+    case 2: tile(W, F, oj, xm, ldx, 2, I, s); break;                                                         \
+    case 3: tile(W, F, oj, xm, ldx, 3, I, s); break;                                                         \
+    default: tile(W, F, oj, xm, ldx, 4, I, s); break;                                                        \
+    }
+
+static void tile_any(const Weight *W, const i64 oj[4], const float *xm, i64 ldx, int R, i64 I, float s[][4]) {
+    switch (W->fmt) {
+    case FMT_F32: TILE_R(FMT_F32); break;
+    case FMT_INT8: TILE_R(FMT_INT8); break;
+    case FMT_INT4: TILE_R(FMT_INT4); break;
+    case FMT_Q8_0: TILE_R(FMT_Q8_0); break;
+    case FMT_Q4_0: TILE_R(FMT_Q4_0); break;
+    default: TILE_R(FMT_Q4_1); break;
+    }
+}
+
+/* y[m, o] = (x[m] . W[o]) (* scale[o] for int8) (+ bias[o]) for the row-major formats: OpenMP over
+   tiles of 4 output rows, every group of 4 x rows against a tile's weights decoded in registers
+   (int4 with groups that are not whole vectors: dequantized once into an L1 buffer instead, which
+   then serves as an fp32 tile). */
 static void rowmajor_mm(const Weight *W, const float *x, i64 M, i64 I, i64 ldx, i64 O, const float *bias,
                         float *y, int threads) {
+    i64 tiles = (O + 3) / 4;
+    int fused = fused_ok(W, I);
 #pragma omp parallel num_threads(threads)
     {
-        float *buf = W->fmt == FMT_F32 ? NULL : (float *)malloc(sizeof(float) * (size_t)(2 * I + 64));
-        float s[16][2];
+        float *buf = fused ? NULL : (float *)malloc(sizeof(float) * (size_t)(4 * I + VL));
+        float s[MAX_M][4];
 #pragma omp for schedule(static)
-        for (i64 p = 0; p < (O + 1) / 2; p++) {
-            i64 o = 2 * p;
-            int J = o + 1 < O ? 2 : 1;
-#ifdef CS336_AVX2
-            if (M <= 2 && (W->fmt != FMT_INT4 || W->gshift >= 0)) {
-                switch (W->fmt) { /* one specialized copy per format */
-                case FMT_F32: fused_pair(W, FMT_F32, o, J, x, ldx, M, I, s); break;
-                case FMT_INT8: fused_pair(W, FMT_INT8, o, J, x, ldx, M, I, s); break;
-                case FMT_INT4: fused_pair(W, FMT_INT4, o, J, x, ldx, M, I, s); break;
-                case FMT_Q8_0: fused_pair(W, FMT_Q8_0, o, J, x, ldx, M, I, s); break;
-                case FMT_Q4_0: fused_pair(W, FMT_Q4_0, o, J, x, ldx, M, I, s); break;
-                default: fused_pair(W, FMT_Q4_1, o, J, x, ldx, M, I, s); break;
-                }
-                goto store;
+        for (i64 t = 0; t < tiles; t++) {
+            i64 o = 4 * t, oj[4];
+            int J = O - o < 4 ? (int)(O - o) : 4;
+            for (int j = 0; j < 4; j++) oj[j] = o + (j < J ? j : 0); /* a short last tile repeats a row */
+            Weight B = {FMT_F32, buf, I * 4, NULL, NULL, NULL, 0, -1};
+            const Weight *T = W;
+            if (!fused) {
+                for (int j = 0; j < J; j++) dequantize_row(W, o + j, I, buf + j * I);
+                for (int j = 0; j < 4; j++) oj[j] = j < J ? j : 0;
+                T = &B;
             }
-#endif
-            const float *w[2];
-            for (int j = 0; j < J; j++) {
-                w[j] = (const float *)((const uint8_t *)W->w + (o + j) * W->row_bytes);
-                if (buf) {
-                    dequantize_row(W, o + j, I, buf + j * (I + 32));
-                    w[j] = buf + j * (I + 32);
-                }
-            }
-            dot_rows(w[0], J == 2 ? w[1] : NULL, J, I, x, ldx, M, s);
-#ifdef CS336_AVX2
-        store:
-#endif
+            for (i64 m = 0; m < M; m += 4) tile_any(T, oj, x + m * ldx, ldx, M - m < 4 ? (int)(M - m) : 4, I, s + m);
             for (int j = 0; j < J; j++) {
                 float scale = W->fmt == FMT_INT8 ? W->scale_f32[o + j] : 1.f, b = bias ? bias[o + j] : 0.f;
                 for (i64 m = 0; m < M; m++) {
@@ -364,29 +423,29 @@ static void rowmajor_mm(const Weight *W, const float *x, i64 M, i64 I, i64 ldx, 
 
 void cs336_f32_rows(const float *x, i64 M, i64 I, i64 ldx, const float *w, i64 O, const float *bias, float *y,
                     int threads) {
-    Weight W = {FMT_F32, w, I * 4, NULL, NULL, NULL, 0, 0};
+    Weight W = {FMT_F32, w, I * 4, NULL, NULL, NULL, 0, -1};
     rowmajor_mm(&W, x, M, I, ldx, O, bias, y, threads);
 }
 
 void cs336_int8(const float *x, i64 M, i64 I, i64 ldx, const int8_t *q, const float *scale, i64 O,
                 const float *bias, float *y, int threads) {
-    Weight W = {FMT_INT8, q, I, scale, NULL, NULL, 0, 0};
+    Weight W = {FMT_INT8, q, I, scale, NULL, NULL, 0, -1};
     rowmajor_mm(&W, x, M, I, ldx, O, bias, y, threads);
 }
 
 void cs336_int4(const float *x, i64 M, i64 I, i64 ldx, const uint8_t *packed, const uint16_t *scale,
                 const uint8_t *zero, i64 G, i64 O, const float *bias, float *y, int threads) {
     int gshift = -1;
-    for (int k = 0; k < 16; k++)
-        if (I / G == (i64)32 << k) gshift = k;
+    for (int k = 0; k < 31; k++)
+        if (I / G == (i64)1 << k) gshift = k;
     Weight W = {FMT_INT4, packed, I / 2, NULL, scale, zero, G, gshift};
     rowmajor_mm(&W, x, M, I, ldx, O, bias, y, threads);
 }
 
 void cs336_ggml(int fmt, const float *x, i64 M, i64 I, i64 ldx, const uint8_t *raw, i64 O, const float *bias,
                 float *y, int threads) {
-    i64 block = fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_0 ? 18 : 20;
-    Weight W = {fmt, raw, I / 32 * block, NULL, NULL, NULL, 0, 0};
+    i64 bytes = fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_0 ? 18 : 20;
+    Weight W = {fmt, raw, I / 32 * bytes, NULL, NULL, NULL, 0, -1};
     rowmajor_mm(&W, x, M, I, ldx, O, bias, y, threads);
 }
 

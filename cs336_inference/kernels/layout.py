@@ -1,12 +1,12 @@
 """The fp32 decode path of layers.Linear: which weight layout and which product, chosen by measurement.
 
-For a decode-shaped call (1..16 rows) the fastest of four ways to compute x W^T depends on the CPU,
+For a decode-shaped call (1..32 rows) the fastest of four ways to compute x W^T depends on the CPU,
 its BLAS and the shape: torch's F.linear or our kernel, with W stored row-major ([O, I] contiguous)
 or column-major (W^T contiguous, how layers.transposed_empty allocates it). `plan(O, I)` times the
 four on random weights of that shape at M = 1 and M = 5 rows (once per shape and thread count per
 process, a few milliseconds for SmolLM2's shapes) and keeps the one with the smallest total.
 
-One product per shape for every M in 1..16, never a switch between M = 1 and M = 2: with our
+One product per shape for every M in 1..32, never a switch between M = 1 and M = 2: with our
 kernel, a row's result is then bitwise the same whatever the number of rows (what speculative
 verification relies on); BLAS gives no such promise.
 

@@ -14,7 +14,7 @@ from torch import Tensor
 from . import build
 from .cuda import int8_weight_only
 
-MAX_ROWS = 16  # more rows (prefill) stay on BLAS
+MAX_ROWS = 32  # more rows (prefill) stay on BLAS; 32 = MAX_M of decode.c
 GGML = {"q8_0": 3, "q4_0": 4, "q4_1": 5}  # the format codes of decode.c
 
 

@@ -81,7 +81,7 @@ FORMATS: dict[str, Format] = {
 }
 
 # Fast paths: format name -> kernel(layer, x) returning y, or None to fall back to the reference.
-# Filled with the decode kernels (cs336_inference/kernels: 1..16 rows, CPU, float32).
+# Filled with the decode kernels (cs336_inference/kernels: 1..32 rows, CPU, float32).
 KERNELS: dict[str, Callable[[QuantizedLinear, Tensor], Tensor | None]] = dict(decode_kernels.QUANTIZED)
 
 
