@@ -83,7 +83,10 @@ class TransformerLM(nn.Module):
 
     @property
     def vocab_weight(self) -> Tensor:
-        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+        """The [V, D] output matrix: the embedding when tie_embeddings. Quantized, a PackedWeight
+        (quantization/linear.py), which F.linear multiplies from its stored bytes."""
+        head = self.embed if self.lm_head is None else self.lm_head
+        return head.packed_weight if hasattr(head, "packed_weight") else head.weight
 
     def forward(
         self,

@@ -84,7 +84,9 @@ def run_formats(args: argparse.Namespace, model, source: Path, prompt: torch.Ten
     if hf is None:
         log(f"transformers skipped: {why}")
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    result = fb.format_benchmark(model, prompt, formats, args.new_tokens, args.runs, hf=hf, log=log)
+    result = fb.format_benchmark(
+        model, prompt, formats, args.new_tokens, args.runs, hf=hf, log=log, quantize_head=args.quantize_head
+    )
     result["table"] = fb.format_table(result)
     if args.png:
         args.png.parent.mkdir(parents=True, exist_ok=True)
@@ -307,6 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     dec.add_argument("--new-tokens", type=int, default=128, help="decode steps per format timing")
     dec.add_argument("--formats-only", action="store_true", help="only the per-format comparison")
     dec.add_argument("--png", type=Path, help="plot tokens/s vs bits per weight here")
+    dec.add_argument(
+        "--quantize-head",
+        action="store_true",
+        help="quantize the output matrix (the tied embedding) too, as llama.cpp's files do",
+    )
     spec = sub.add_parser("speculative", help="speculative decoding: alpha, tokens/pass, speedup vs k")
     spec.add_argument("--model", help="target checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     spec.add_argument("--drafts", default="ngram", help="comma-separated: ngram, int8, q8_0, llm_int8")

@@ -18,6 +18,7 @@ from cs336_inference.quantization import (
     KERNELS,
     METHODS,
     LLMInt8Linear,
+    PackedWeight,
     QuantizedEmbedding,
     QuantizedLinear,
     ggml_blocks,
@@ -557,6 +558,35 @@ def test_quantize_head_stores_the_vocabulary_matrix_quantized():
         assert model_nbytes(qmodel) == expected, f"tie={tie}"
         with torch.no_grad():
             assert (qmodel(ids()) - model(ids())).abs().max() < 0.3
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4_0"])
+def test_a_quantized_output_matrix_is_multiplied_from_its_bytes(fmt):
+    """vocab_weight of a quantize_head model is a PackedWeight: F.linear runs the table's own layer
+    (its kernel), every other op sees the dequantized numbers, and the logits are those of the
+    dequantized table."""
+    for tie in (True, False):
+        qmodel = quantize_model(tiny(tie_embeddings=tie), fmt, quantize_head=True)
+        layer = qmodel.embed.table if tie else qmodel.lm_head
+        w, table = qmodel.vocab_weight, layer.dequantize()
+        assert isinstance(w, PackedWeight) and w.shape == table.shape and w.dtype == torch.float32
+        assert torch.equal(w * 1, table) and torch.equal(w.t(), table.t()), (
+            f"tie={tie}: other ops see the numbers"
+        )
+        calls, forward = [], layer.forward
+        layer.forward = lambda x, calls=calls, forward=forward: calls.append(x.shape) or forward(x)
+        hidden = []
+        qmodel.norm.register_forward_hook(lambda m, i, out, hidden=hidden: hidden.append(out))
+        with torch.inference_mode():
+            for B, T in ((1, 1), (2, 5)):  # a decode step and a short prefill
+                logits = qmodel(ids(B, T))
+                expected = F.linear(hidden[-1], table)
+                torch.testing.assert_close(
+                    logits, expected, rtol=1e-5, atol=1e-5, msg=f"tie={tie} B={B} T={T}"
+                )
+        assert calls == [(1, 1, TINY["d_model"]), (2, 5, TINY["d_model"])], (
+            f"tie={tie}: the layer ran {calls}"
+        )
 
 
 def test_llm_int8_model_threshold_inf_equals_vectorwise_int8_model():

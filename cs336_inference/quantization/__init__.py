@@ -9,7 +9,13 @@ awq.py          AWQ: activation-aware scales searched on calibration data, folde
 quantize.py     quantize_model(model, method), model_nbytes(model)
 """
 
-from cs336_inference.quantization.linear import FORMATS, KERNELS, QuantizedEmbedding, QuantizedLinear
+from cs336_inference.quantization.linear import (
+    FORMATS,
+    KERNELS,
+    PackedWeight,
+    QuantizedEmbedding,
+    QuantizedLinear,
+)
 from cs336_inference.quantization.llm_int8 import LLMInt8Linear
 from cs336_inference.quantization.quantize import METHODS, model_nbytes, quantize_model, quantized_layers
 
@@ -18,6 +24,7 @@ __all__ = [
     "KERNELS",
     "LLMInt8Linear",
     "METHODS",
+    "PackedWeight",
     "QuantizedEmbedding",
     "QuantizedLinear",
     "model_nbytes",

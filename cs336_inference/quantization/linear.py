@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from cs336_inference import kernels as decode_kernels
 from cs336_inference.quantization import ggml_blocks
@@ -152,6 +153,12 @@ class QuantizedLinear(nn.Module):
         return self.dequantize()
 
     @property
+    def packed_weight(self) -> PackedWeight:
+        """The weight as a PackedWeight: F.linear(x, it) runs this layer (the kernels), nothing is
+        dequantized until some other op needs the numbers."""
+        return PackedWeight(self)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of what is stored (bias included)."""
         tensors = [*self.stored().values(), *([] if self.bias is None else [self.bias])]
@@ -173,6 +180,59 @@ class QuantizedLinear(nn.Module):
         return f"{self.fmt}, d_in={self.d_in}, d_out={self.d_out}{group}, bias={self.bias is not None}"
 
 
+class PackedWeight(Tensor):
+    """A quantized layer's weight that every op sees as the dequantized float32 [O, I] matrix, except
+    F.linear(x, it), which runs the layer itself (its kernel, when one takes the call).
+
+    Why: TransformerLM.forward ends in F.linear(norm(x), vocab_weight), a line students write. For a
+    quantized output matrix (quantize_model(..., quantize_head=True)) vocab_weight is one of these,
+    so that line reads the table's int8 / int4 bytes instead of dequantizing all V x D numbers every
+    step. It holds no storage; .shape, .dtype and .device are metadata.
+    """
+
+    @staticmethod
+    def __new__(cls, layer: QuantizedLinear):
+        device = layer.qweight.device
+        t = Tensor._make_wrapper_subclass(cls, (layer.d_out, layer.d_in), dtype=torch.float32, device=device)
+        t.layer = layer
+        return t
+
+    def __repr__(self) -> str:
+        return f"PackedWeight({self.layer.extra_repr()})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (
+            func is F.linear
+            and len(args) == 2
+            and not kwargs
+            and type(args[1]) is cls
+            and type(args[0]) is not cls
+        ):
+            return args[1].layer(args[0])
+        if func in (
+            Tensor.shape.__get__,
+            Tensor.dtype.__get__,
+            Tensor.device.__get__,
+            Tensor.dim,
+            Tensor.size,
+        ):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        args, kwargs = tree_map(_unpack, (args, kwargs))
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        args, kwargs = tree_map(_unpack, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _unpack(t):
+    return t.layer.dequantize() if type(t) is PackedWeight else t
+
+
 class QuantizedEmbedding(nn.Module):
     """An embedding table stored quantized: a lookup dequantizes only the rows it reads.
 
@@ -185,7 +245,9 @@ class QuantizedEmbedding(nn.Module):
 
     @property
     def weight(self) -> Float[Tensor, "V D"]:
-        return self.table.dequantize()
+        """The table as a PackedWeight: as the output matrix of a tied model, F.linear(h, weight)
+        multiplies straight from the stored bytes."""
+        return self.table.packed_weight
 
     def forward(self, ids: Int[Tensor, "B T"]) -> Float[Tensor, "B T D"]:
         return self.table.dequantize(rows=ids)
