@@ -96,11 +96,11 @@ def assert_close_to_reference(y, x, w64, b64, what):
 
 @pytest.mark.parametrize("mode", ["kernel", "fallback"])
 @pytest.mark.parametrize(("name", "d_out", "d_in", "group_size"), CASES, ids=IDS)
-def test_forward_equals_the_reference_for_1_to_16_rows(request, mode, name, d_out, d_in, group_size):
+def test_forward_equals_the_reference_for_1_to_32_rows(request, mode, name, d_out, d_in, group_size):
     request.getfixturevalue("kernels_on" if mode == "kernel" else "kernels_off")
     layer, kernel, w64, b64 = make_layer(name, d_out, d_in, group_size)
     with torch.inference_mode():
-        for M in range(1, 17):
+        for M in [*range(1, 18), 32]:  # 32 = kernels.MAX_ROWS
             for layout in ("contiguous", "strided_rows", "transposed"):
                 x = inputs(M, d_in, layout, seed=M)
                 what = f"{name} {mode}, M={M}, {layout} x"
@@ -115,6 +115,30 @@ def test_forward_equals_the_reference_for_1_to_16_rows(request, mode, name, d_ou
                 assert_close_to_reference(direct, x, w64, b64, what + " (kernel)")
                 if not name.startswith("fp32"):
                     assert torch.equal(direct, y), f"{what}: the layer did not use the kernel"
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_the_avx2_and_plain_c_builds_equal_the_reference(monkeypatch, march):
+    """The same source compiled for an AVX2 CPU (8 lanes) and for plain x86-64 (4 lanes, no
+    intrinsics), on whatever CPU runs the tests: every format, 1, 3, 5 and 17 rows, bitwise row
+    independence."""
+    monkeypatch.delenv("CS336_KERNELS", raising=False)
+    monkeypatch.setenv("CS336_KERNELS_MARCH", march)
+    build.reset()
+    try:
+        if build.library() is None:
+            pytest.skip(f"could not build for -march={march} here")
+        with torch.inference_mode():
+            for name, d_out, d_in, group_size in CASES:
+                _, kernel, w64, b64 = make_layer(name, d_out, d_in, group_size)
+                x = inputs(17, d_in, "contiguous", seed=3)
+                full = kernel(x)
+                assert full is not None, f"{name} ({march}): the kernel declined"
+                assert_close_to_reference(full, x, w64, b64, f"{name} ({march}), 17 rows")
+                for M in (1, 3, 5):
+                    assert torch.equal(kernel(x[:, :M]), full[:, :M]), f"{name} ({march}): {M} rows differ"
+    finally:
+        build.reset()
 
 
 @pytest.mark.parametrize(("name", "d_out", "d_in", "group_size"), CASES, ids=IDS)

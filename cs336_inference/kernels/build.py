@@ -6,6 +6,7 @@ source or another CPU builds anew and concurrent processes never see a half-writ
 
     CS336_KERNELS=0        never build or use the kernels (the readable PyTorch path runs)
     CS336_KERNELS_CC=gcc   the C compiler (default: $CC, else gcc)
+    CS336_KERNELS_MARCH=x  compile for -march=x instead of the running CPU (tests: the AVX2 path)
 
 Why a plain C file + ctypes: it builds in about a second with no torch headers (a
 torch.utils.cpp_extension build of the same kernels takes tens of seconds and needs ninja and the
@@ -27,6 +28,14 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("decode.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp"]
+
+
+def compile_flags() -> list[str]:
+    """FLAGS, with -march from $CS336_KERNELS_MARCH if set (tests build the AVX2 and plain x86-64 code
+    paths on an AVX-512 machine this way)."""
+    march = os.environ.get("CS336_KERNELS_MARCH", "").strip()
+    return [f"-march={march}" if f == "-march=native" and march else f for f in FLAGS]
+
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -83,7 +92,8 @@ def build(cc: str | None = None) -> ctypes.CDLL:
         raise FileNotFoundError(f"no C compiler {cc!r} on PATH")
     source = SOURCE.read_bytes()
     last_error: Exception | None = None
-    for flags in (FLAGS, FLAGS[:-1]):  # without OpenMP if the compiler has none
+    chosen = compile_flags()
+    for flags in (chosen, chosen[:-1]):  # without OpenMP if the compiler has none
         key = hashlib.sha256(
             b"\0".join([source, cc.encode(), " ".join(flags).encode(), _cpu_fingerprint().encode()])
         )

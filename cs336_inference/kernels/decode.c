@@ -458,7 +458,7 @@ void cs336_f32_cols(const float *x, i64 M, i64 I, i64 ldx, const float *wt, i64 
     i64 tiles = O / TILE;
 #pragma omp parallel num_threads(threads)
     {
-        float acc[16][TILE];
+        float acc[MAX_M][TILE];
 #pragma omp for schedule(static)
         for (i64 t = 0; t < tiles; t++) {
             i64 o0 = t * TILE;
