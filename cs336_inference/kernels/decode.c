@@ -134,12 +134,11 @@ static inline void vsum4(vf a0, vf a1, vf a2, vf a3, float out[4]) {
 #endif
 }
 
-/* ------------------------------------------------------------------ dequantize one weight row
+/* ------------------------------------------------------------------ decode stored weights
 
-   Into a float row buffer, with the reference's numbers (ggml_blocks.py, int4.py): d * q for Q8_0,
-   (q - 8) * d for Q4_0, d * q + m for Q4_1 (two roundings), (q - zero) * scale for int4; int8
-   writes q and the row's dot product is multiplied by its scale afterwards, as the reference's
-   per-channel scale can be taken out of the sum. */
+   With the reference's numbers (ggml_blocks.py, int4.py): d * q for Q8_0, (q - 8) * d for Q4_0,
+   d * q + m for Q4_1 (two roundings), (q - zero) * scale for int4; int8 gives q, and the row's dot
+   product is multiplied by its scale afterwards (a per-row scale comes out of the sum). */
 
 enum { FMT_F32 = 0, FMT_INT8 = 1, FMT_INT4 = 2, FMT_Q8_0 = 3, FMT_Q4_0 = 4, FMT_Q4_1 = 5 };
 
@@ -202,56 +201,34 @@ static inline void nibbles(const uint8_t *p, vf *lo, vf *hi) {
 #define HI_MASK {2, 6, 3, 7}
 #endif
 
-static void dequantize_row(const Weight *W, i64 o, i64 I, float *out) {
+/* An int4 row whose groups are not a power-of-two multiple of 32 weights (`fused_ok` fails), into a
+   float buffer: byte j of a group holds weights 2j (low nibble) and 2j + 1 (high). Every other
+   format and group size is decoded in registers by `chunk` / `block` below. */
+static void dequantize_int4_row(const Weight *W, i64 o, i64 I, float *out) {
     const uint8_t *row = (const uint8_t *)W->w + o * W->row_bytes;
-    if (W->fmt == FMT_INT8) {
-        i64 i = 0;
-        for (; i + VL <= I; i += VL) vstore(out + i, int8_to_vf((const int8_t *)row + i));
-        for (; i < I; i++) out[i] = (float)((const int8_t *)row)[i];
-    } else if (W->fmt == FMT_INT4) { /* byte j of a group: weights 2j (low nibble) and 2j + 1 (high) */
-        i64 gs = I / W->groups;
-        for (i64 g = 0; g < W->groups; g++) {
-            float s = half_to_float(W->scale16[o * W->groups + g]), z = (float)W->zero[o * W->groups + g];
-            const uint8_t *p = row + g * gs / 2;
-            float *dst = out + g * gs;
-            vf vs = vsplat(s), vz = vsplat(z), lo, hi;
-            i64 j = 0;
-            for (; j + 2 * VL <= gs; j += 2 * VL) {
-                nibbles(p + j / 2, &lo, &hi);
-                lo = (lo - vz) * vs, hi = (hi - vz) * vs;
-                vstore(dst + j, __builtin_shuffle(lo, hi, (vi)LO_MASK));
-                vstore(dst + j + VL, __builtin_shuffle(lo, hi, (vi)HI_MASK));
-            }
-            for (; j < gs; j += 2) {
-                uint8_t b = p[j / 2];
-                dst[j] = ((float)(b & 0x0f) - z) * s;
-                dst[j + 1] = ((float)(b >> 4) - z) * s;
-            }
+    i64 gs = I / W->groups;
+    for (i64 g = 0; g < W->groups; g++) {
+        float s = half_to_float(W->scale16[o * W->groups + g]), z = (float)W->zero[o * W->groups + g];
+        const uint8_t *p = row + g * gs / 2;
+        float *dst = out + g * gs;
+        vf vs = vsplat(s), vz = vsplat(z), lo, hi;
+        i64 j = 0;
+        for (; j + 2 * VL <= gs; j += 2 * VL) {
+            nibbles(p + j / 2, &lo, &hi);
+            lo = (lo - vz) * vs, hi = (hi - vz) * vs;
+            vstore(dst + j, __builtin_shuffle(lo, hi, (vi)LO_MASK));
+            vstore(dst + j + VL, __builtin_shuffle(lo, hi, (vi)HI_MASK));
         }
-    } else if (W->fmt == FMT_Q8_0) {
-        for (i64 blk = 0; blk < I / 32; blk++) {
-            const uint8_t *p = row + blk * 34;
-            vf d = vsplat(half_to_float(read_u16(p)));
-            for (int k = 0; k < 32; k += VL) vstore(out + blk * 32 + k, d * int8_to_vf((const int8_t *)p + 2 + k));
-        }
-    } else { /* Q4_0 / Q4_1: byte j of a block holds weights j (low nibble) and j + 16 (high) */
-        int q41 = W->fmt == FMT_Q4_1;
-        i64 bytes = q41 ? 20 : 18;
-        for (i64 blk = 0; blk < I / 32; blk++) {
-            const uint8_t *p = row + blk * bytes;
-            float d = half_to_float(read_u16(p)), m = q41 ? half_to_float(read_u16(p + 2)) : 0.f;
-            vf vd = vsplat(d), vm = vsplat(m), v8 = vsplat(8.f), lo, hi;
-            for (int k = 0; k < 16; k += VL) {
-                nibbles(p + (q41 ? 4 : 2) + k, &lo, &hi);
-                vstore(out + blk * 32 + k, q41 ? vd * lo + vm : (lo - v8) * vd);
-                vstore(out + blk * 32 + 16 + k, q41 ? vd * hi + vm : (hi - v8) * vd);
-            }
+        for (; j < gs; j += 2) {
+            uint8_t b = p[j / 2];
+            dst[j] = ((float)(b & 0x0f) - z) * s;
+            dst[j + 1] = ((float)(b >> 4) - z) * s;
         }
     }
 }
 
 /* Weights [i, i + VL) of an fp32 or int8 row, and weights [i, i + 32) of a block-format row as
-   32 / VL vectors, decoded in registers: the numbers dequantize_row writes. int4 here needs groups
+   32 / VL vectors, decoded in registers: the reference's numbers (above). int4 here needs groups
    of 2^gshift weights, a multiple of 32 (`fused_ok`); other int4 rows go through the buffer. */
 static inline __attribute__((always_inline)) vf chunk(int fmt, const uint8_t *row, i64 i) {
     return fmt == FMT_F32 ? vload((const float *)row + i) : int8_to_vf((const int8_t *)row + i);
@@ -402,7 +379,7 @@ static void rowmajor_mm(const Weight *W, const float *x, i64 M, i64 I, i64 ldx, 
             Weight B = {FMT_F32, buf, I * 4, NULL, NULL, NULL, 0, -1};
             const Weight *T = W;
             if (!fused) {
-                for (int j = 0; j < J; j++) dequantize_row(W, o + j, I, buf + j * I);
+                for (int j = 0; j < J; j++) dequantize_int4_row(W, o + j, I, buf + j * I);
                 for (int j = 0; j < 4; j++) oj[j] = j < J ? j : 0;
                 T = &B;
             }
