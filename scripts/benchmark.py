@@ -5,6 +5,11 @@ chat and a rewrite workload, k = 1..8: alpha, tokens per pass vs the formula, pa
 
     python scripts/benchmark.py speculative --prompts 1 --max-new-tokens 32 --out runs/spec.json --plot spec.png
 
+`gpu`: on a CUDA GPU, eager vs CUDA-graph decode steps in bf16 / int8 / int4 and transformers, with
+the roofline fraction (cs336_inference/cuda_bench.py).
+
+    python scripts/benchmark.py gpu --out runs/gpu.json
+
 `serve`: static vs continuous batching on a generated workload (throughput, TTFT, TPOT, KV waste).
 
     python scripts/benchmark.py serve --rates 1,4 --requests 32 --out serve.json --plot serve.png
@@ -239,8 +244,33 @@ def run_speculative(args: argparse.Namespace) -> dict:
             "max_new_tokens": args.max_new_tokens, **result, "table": table}  # fmt: skip
 
 
+def run_gpu(args: argparse.Namespace) -> dict:
+    from cs336_inference import cuda_bench
+
+    if not torch.cuda.is_available():
+        raise BenchmarkError("benchmark.py gpu needs a CUDA GPU (torch.cuda.is_available() is False)")
+    formats = tuple(f for f in args.formats.split(",") if f)
+    if not formats or set(formats) - {"bf16", "int8", "int4"} or args.runs < 1 or args.new_tokens < 2:
+        raise BenchmarkError(
+            f"--formats: bf16,int8,int4; --runs >= 1; --new-tokens >= 2 (got {args.formats})"
+        )
+    model, prompt, name = cuda_bench.main_model(Path(args.model) if args.model else None, log, args.shape)
+    log(f"model: {name}")
+    result = cuda_bench.cuda_decode_benchmark(
+        model, prompt, args.new_tokens, args.runs, formats, hf=not args.no_transformers, log=log
+    )
+    result["model"] = name
+    result["table"] = cuda_bench.format_table(result)
+    return result
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    """`serve`: static vs continuous batching (library: cs336_inference.serving.workload)."""
+    """`gpu`: on a CUDA GPU, eager vs CUDA-graph decode steps in bf16 / int8 / int4 and transformers, with
+    the roofline fraction (cs336_inference/cuda_bench.py).
+
+        python scripts/benchmark.py gpu --out runs/gpu.json
+
+    `serve`: static vs continuous batching (library: cs336_inference.serving.workload)."""
     import os
     import platform
 
@@ -326,6 +356,16 @@ def main(argv: list[str] | None = None) -> int:
     spec.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     spec.add_argument("--out", type=Path, help="write the results as JSON here")
     spec.add_argument("--plot", type=Path, help="write a PNG of speedup vs k here")
+    gpu = sub.add_parser(
+        "gpu", help="GPU decode: eager vs CUDA-graph steps, bf16 / int8 / int4, transformers"
+    )
+    gpu.add_argument("--model", help="checkpoint (default: SmolLM2-135M-Instruct; its shapes if absent)")
+    gpu.add_argument("--shape", help="random weights in these shapes instead: smollm2-135m, llama-1b")
+    gpu.add_argument("--new-tokens", type=int, default=128, help="decode steps per timing")
+    gpu.add_argument("--runs", type=int, default=5, help="interleaved rounds (median)")
+    gpu.add_argument("--formats", default="bf16,int8,int4", help="comma-separated: bf16, int8, int4")
+    gpu.add_argument("--no-transformers", action="store_true", help="leave out the transformers row")
+    gpu.add_argument("--out", type=Path, help="write the results as JSON here")
     srv = sub.add_parser("serve", help="static vs continuous batching on a generated workload")
     srv.add_argument("--model", help="checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     srv.add_argument("--rates", default="1,4", help="arrival rates to sweep, requests/s (comma-separated)")
@@ -352,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
             args.out = args.json
         elif args.command == "speculative":
             result = run_speculative(args)
+        elif args.command == "gpu":
+            result = run_gpu(args)
         else:
             if args.runs < 1 or args.new_tokens < 2:
                 raise BenchmarkError(
@@ -361,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchmarkError, ValueError, OSError, RuntimeError) as e:
         print(f"benchmark.py: error: {e}", file=sys.stderr)
         return 2
-    print(result["table"] if args.command in ("quant", "speculative") else format_report(result))
+    print(result["table"] if args.command in ("quant", "speculative", "gpu") else format_report(result))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

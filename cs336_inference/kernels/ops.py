@@ -12,7 +12,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from . import build
-from .cuda import int8_weight_only
+from .cuda import quantized_cuda
 
 MAX_ROWS = 32  # more rows (prefill) stay on BLAS; 32 = MAX_M of decode.c
 GGML = {"q8_0": 3, "q4_0": 4, "q4_1": 5}  # the format codes of decode.c
@@ -65,7 +65,7 @@ def quantized_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"]
     """The KERNELS entry of quantization.linear: y = x dequantize(stored)^T + b from the stored bytes."""
     q = layer.qweight
     if q.device.type != "cpu":  # the GPU path (kernels/cuda.py) needs no build
-        return int8_weight_only(layer, x) if q.device.type == "cuda" and build.enabled() else None
+        return quantized_cuda(layer, x) if q.device.type == "cuda" and build.enabled() else None
     lib = build.library()
     if lib is None:
         return None

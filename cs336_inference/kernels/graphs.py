@@ -1,0 +1,148 @@
+"""A decode step with fixed shapes, replayed on a GPU as one CUDA graph (gpt-fast's decode loop).
+
+An eager decode step of a small model is launch-bound, not memory-bound: SmolLM2 issues hundreds
+of tiny kernels per token, each costing the CPU a few microseconds of Python and a launch, while
+the GPU reads the step's 270 MB of bf16 weights in about 0.1 ms. A CUDA graph records the step's
+kernels once and replays them with one launch. Recording needs a step whose shapes and arguments
+never change, which the eager step is not: the cache returns a slice that grows by one key per
+step, and the position is a Python int.
+
+`StaticDecodeStep` is the same forward with both moved to the device:
+- the position is a [1] tensor; each layer writes its new K/V with `index_copy_` at that position;
+- attention reads the whole preallocated cache (S_max keys); the slots not written yet hold steps
+  greater than the query's, so the causal mask (`attention_mask`) hides them.
+It calls the model's own blocks (the student's attention, RoPE, norms, MLP), so its output equals
+`model(token, cache=cache)`; only the keys it attends over are padded to S_max with masked slots.
+On the CPU it runs eagerly (tested equal to the cached forward); on CUDA, `CUDAGraphStep` records
+it once and replays it.
+
+Supported: MHA / GQA / MQA, CLA, and sliding-window layers held in a full static cache; ring caches
+(a window smaller than the cache) and MLA are not (a ValueError says so).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from ..attention import ForwardContext
+from ..kv_cache import KVCache, StaticKVCache
+
+
+class _FixedStore:
+    """A StaticKVCache seen through a device-side position: write there, return all S_max slots."""
+
+    def __init__(self, store: StaticKVCache, pos: Int[Tensor, " 1"]):
+        self.store, self.pos = store, pos
+
+    def update(self, k: Float[Tensor, "B K 1 H"], v: Float[Tensor, "B K 1 H"], start: int):
+        self.store.k.index_copy_(2, self.pos, k)
+        self.store.v.index_copy_(2, self.pos, v)
+        return self.store.k, self.store.v, self.store.steps
+
+
+class _FixedCache:
+    def __init__(self, layers: list[_FixedStore | None]):
+        self.layers = layers
+
+
+class StaticDecodeStep:
+    """logits = model(ids, cache=cache) for one new token per row, with fixed shapes.
+
+    Write the inputs into `self.ids` [B, 1] and `self.pos` [1] (the step being decoded, = cache.pos),
+    call `forward()`; then advance cache.pos yourself (`CUDAGraphStep.__call__` does both).
+    """
+
+    def __init__(self, model, cache: KVCache):
+        for i, store in enumerate(cache.layers):
+            if store is not None and not isinstance(store, StaticKVCache):
+                raise ValueError(
+                    f"a fixed-shape decode step needs static KV caches; layer {i} has a "
+                    f"{type(store).__name__} (ring caches and MLA are not supported)"
+                )
+        self.model, self.cache = model, cache
+        device = model.embed.weight.device
+        B = cache.layers[0].k.shape[0]
+        self.ids = torch.zeros(B, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        # a pad (zeros if none) makes ForwardContext build the causal mask, which hides unwritten slots
+        self.pad = torch.zeros(B, dtype=torch.long, device=device) if cache.pad is None else cache.pad
+        self.view = _FixedCache([None if s is None else _FixedStore(s, self.pos) for s in cache.layers])
+
+    def forward(self) -> Float[Tensor, "B V"]:
+        model = self.model
+        positions = (self.pos[None] - self.pad[:, None]).clamp(min=0)
+        ctx = ForwardContext(
+            self.pos, 0, model.rope_cos[positions], model.rope_sin[positions], pad=self.pad, cache=self.view
+        )
+        x = model.embed(self.ids)
+        for block in model.layers:
+            x = block(x, ctx)
+        return F.linear(model.norm(x), model.vocab_weight)[:, -1]
+
+
+class CUDAGraphStep:
+    """`step(tokens [B]) -> logits [B, V]`: one decode step, recorded as a CUDA graph on first use.
+
+    Each call copies the tokens and cache.pos into the step's fixed inputs, replays the graph, and
+    advances cache.pos. The logits tensor is the graph's own output buffer: the next call overwrites
+    it (clone it to keep it). `use_graph=False` runs the same fixed-shape step eagerly (any device).
+    """
+
+    def __init__(self, model, cache: KVCache, use_graph: bool = True):
+        self.step, self.cache = StaticDecodeStep(model, cache), cache
+        self.use_graph = use_graph and model.embed.weight.device.type == "cuda"
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: Tensor | None = None
+
+    def _record(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: each run rewrites the same K/V at the same position
+            for _ in range(2):
+                self.step.forward()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.step.forward()
+
+    @torch.inference_mode()
+    def __call__(self, tokens: Int[Tensor, " B"]) -> Float[Tensor, "B V"]:
+        if self.cache.pos >= self.cache.capacity:
+            raise ValueError(f"KV cache full: {self.cache.pos} + 1 tokens > capacity {self.cache.capacity}")
+        self.step.ids.copy_(tokens.reshape(-1, 1))
+        self.step.pos.fill_(self.cache.pos)
+        if not self.use_graph:
+            logits = self.step.forward()
+        else:
+            if self.graph is None:
+                self._record()
+            self.graph.replay()
+            logits = self.logits
+        self.cache.pos += 1
+        return logits
+
+
+@torch.inference_mode()
+def graph_generate(
+    model, prompt_ids: Int[Tensor, " P"], max_new_tokens: int, use_graph: bool = True
+) -> Int[Tensor, " n"]:
+    """Greedy decoding of one prompt with an eager prefill and a CUDA-graph decode step.
+
+    No stop tokens: exactly max_new_tokens tokens, the same as `generate(..., stop_token_ids=[])`.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = model.embed.weight.device
+    ids = prompt_ids.to(device).reshape(1, -1)
+    cache = model.new_cache(1, ids.shape[1] + max_new_tokens)
+    token = model(ids, cache=cache, last_only=True)[:, -1].argmax(-1)
+    out = torch.empty(max_new_tokens, dtype=torch.long, device=device)
+    out[0] = token[0]
+    step = CUDAGraphStep(model, cache, use_graph)
+    for t in range(1, max_new_tokens):
+        token = step(token).argmax(-1)
+        out[t] = token[0]
+    return out

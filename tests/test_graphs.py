@@ -1,0 +1,153 @@
+"""The fixed-shape decode step (kernels/graphs.py) equals the cached forward; on CUDA, its graph too.
+
+Independent property: `model(token, cache=cache)` (the eager step, attending over exactly the
+written keys) against the fixed-shape step (attending over the whole preallocated cache with the
+unwritten slots masked). On the CPU the fixed-shape step runs eagerly; the cuda-marked tests record
+it as a CUDA graph and compare tokens and timing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cs336_inference.config import FULL, SLIDING, ModelConfig
+from cs336_inference.kernels.graphs import CUDAGraphStep, graph_generate
+from cs336_inference.model import TransformerLM
+from cs336_inference.sampling import generate
+
+BASE = dict(vocab_size=64, d_model=32, n_layers=2, d_ff=64, max_seq_len=96, n_heads=4)
+VARIANTS = {
+    "mha": dict(n_kv_heads=4),
+    "gqa": dict(n_kv_heads=2),
+    "mqa": dict(n_kv_heads=1),
+    "cla": dict(n_kv_heads=2, n_layers=4, kv_share=2),
+    # a window, held in a full static cache (window >= the cache length is not needed: masks apply)
+    "sliding": dict(n_kv_heads=2, sliding_window=5),
+    "hybrid": dict(n_kv_heads=2, sliding_window=5, n_layers=3, layer_types=[SLIDING, FULL, SLIDING]),
+}
+
+
+def tiny(variant: str, seed: int = 0) -> TransformerLM:
+    torch.manual_seed(seed)
+    model = TransformerLM(ModelConfig(**{**BASE, **VARIANTS[variant]}))
+    with torch.no_grad():
+        model.norm.weight.mul_(4.0)  # larger logits: greedy choices far from ties
+    return model.eval()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_fixed_shape_step_equals_the_cached_forward(variant):
+    model = tiny(variant)
+    with torch.inference_mode():
+        _check_steps(model)
+
+
+def _check_steps(model):
+    prompt = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    S = 40
+    # sliding layers get a ring when window + spare < S; spare = S makes them static caches
+    eager_cache, fixed_cache = model.new_cache(2, S, spare=S), model.new_cache(2, S, spare=S)
+    model(prompt, cache=eager_cache)
+    model(prompt, cache=fixed_cache)
+    step = CUDAGraphStep(model, fixed_cache, use_graph=False)
+    token = torch.tensor([3, 5])
+    for t in range(S - 7):
+        expected = model(token[:, None], cache=eager_cache)[:, -1]
+        got = step(token)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m, t=t: f"step {t}: {m}")
+        assert fixed_cache.pos == eager_cache.pos
+        token = expected.argmax(-1)
+    with pytest.raises(ValueError, match="KV cache full"):
+        step(token)
+
+
+def test_the_fixed_shape_step_keeps_left_padding():
+    model = tiny("gqa")
+    with torch.inference_mode():
+        _check_padding(model)
+
+
+def _check_padding(model):
+    prompts = [torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([7, 8])]
+    expected = generate(model, prompts, 12, stop_token_ids=[])
+    pad = torch.tensor([0, 4])
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 7, 8]])
+    cache = model.new_cache(2, 6 + 12, pad=pad)
+    token = model(ids, cache=cache)[:, -1].argmax(-1)
+    step, out = CUDAGraphStep(model, cache, use_graph=False), [token]
+    for _ in range(11):
+        token = step(token).argmax(-1)
+        out.append(token)
+    got = torch.stack(out, 1)
+    assert got[0].tolist() == expected[0].tolist() and got[1].tolist() == expected[1].tolist()
+
+
+def test_ring_and_mla_caches_are_refused_in_one_line():
+    ring = TransformerLM(ModelConfig(**{**BASE, "n_kv_heads": 2, "sliding_window": 5}))
+    with pytest.raises(ValueError, match="layer 0 has a RingKVCache"):
+        CUDAGraphStep(ring, ring.new_cache(1, 40))
+    mla = TransformerLM(
+        ModelConfig(**BASE, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    )
+    with pytest.raises(ValueError, match="MLACache"):
+        CUDAGraphStep(mla, mla.new_cache(1, 40))
+
+
+def test_graph_generate_on_the_cpu_is_greedy_generate():
+    model = tiny("gqa")
+    prompt = torch.tensor([4, 9, 16, 25])
+    expected = generate(model, prompt, 20, stop_token_ids=[])
+    assert graph_generate(model, prompt, 20).tolist() == expected.tolist()
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        graph_generate(model, prompt, 0)
+
+
+# ------------------------------------------------------------------ GPU
+def smollm2_shaped(dtype=torch.bfloat16) -> TransformerLM:
+    """SmolLM2-135M's shapes with random weights (timing does not depend on the values)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
+        max_seq_len=2048, tie_embeddings=True, rope_theta=100000.0,
+    )  # fmt: skip
+    model = TransformerLM(cfg).to("cuda", dtype).eval()
+    with torch.no_grad():
+        model.norm.weight.mul_(8.0)
+    return model
+
+
+@pytest.mark.cuda
+def test_cuda_graph_tokens_equal_eager_generate():
+    model = smollm2_shaped(torch.float32)
+    prompt = torch.randint(0, 49152, (32,), generator=torch.Generator().manual_seed(0))
+    expected = generate(model, prompt, 48, stop_token_ids=[])
+    got = graph_generate(model, prompt, 48)
+    assert got.tolist() == expected.tolist()
+
+
+@pytest.mark.cuda
+def test_cuda_graph_step_is_at_least_3x_faster_than_the_eager_step():
+    """SmolLM2's eager step is launch-bound on a GPU; the recorded graph removes the launches."""
+    from cs336_inference.timing import median_seconds
+
+    model = smollm2_shaped()
+    prompt = torch.randint(0, 49152, (1, 64), device="cuda")
+    with torch.inference_mode():
+        eager_cache, graph_cache = model.new_cache(1, 512), model.new_cache(1, 512)
+        model(prompt, cache=eager_cache)
+        model(prompt, cache=graph_cache)
+        token = torch.tensor([1], device="cuda")
+        step = CUDAGraphStep(model, graph_cache)
+
+        def eager():
+            model(token[:, None], cache=eager_cache)
+            eager_cache.truncate(64)
+
+        def graph():
+            step(token)
+            graph_cache.pos = 64
+
+        t_eager = median_seconds(eager, 20, device="cuda")
+        t_graph = median_seconds(graph, 20, device="cuda")
+    assert t_graph * 3 < t_eager, f"graph step {t_graph * 1e3:.3f} ms vs eager {t_eager * 1e3:.3f} ms"
