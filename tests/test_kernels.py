@@ -274,7 +274,8 @@ def test_smollm2_greedy_tokens_with_and_without_kernels(monkeypatch, method):
     )
 
 
-def _cuda_ms(fn, repeats: int = 50) -> float:
+def _cuda_eager_ms(fn, repeats: int = 50) -> float:
+    """Milliseconds per call, launched from Python as eager code runs (CUDA events)."""
     for _ in range(5):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -285,6 +286,28 @@ def _cuda_ms(fn, repeats: int = 50) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats
+
+
+def _cuda_ms(fn, repeats: int = 50) -> float:
+    """Milliseconds per call of fn on the GPU as a decode step runs it: recorded in a CUDA graph
+    (repeats calls) and replayed, so the CPU's cost of launching (large for Triton's Python
+    launcher) is not counted; median of 5 replays."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / repeats)
+    return sorted(times)[2]
 
 
 @pytest.mark.cuda
@@ -362,5 +385,5 @@ def test_cuda_five_token_verify_costs_under_1_5x_a_one_token_step():
             model(ids[:, :T], cache=cache)
             cache.truncate(64)
 
-        t1, t5 = _cuda_ms(lambda: step(1), 20), _cuda_ms(lambda: step(5), 20)
+        t1, t5 = _cuda_eager_ms(lambda: step(1), 20), _cuda_eager_ms(lambda: step(5), 20)
     assert t5 < 1.5 * t1, f"5-token forward {t5:.2f} ms vs 1-token {t1:.2f} ms"

@@ -693,3 +693,20 @@ def test_awq_refuses_mla():
     model = tiny(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
     with pytest.raises(ValueError, match="not MLA"):
         quantize_model(model, "awq", group_size=16, calibration=ids())
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "q8_0"])
+def test_a_bf16_model_quantized_with_its_table_keeps_bf16_activations(method):
+    """The quantized embedding returns rows in the float table's dtype: a bf16 model stays bf16 end
+    to end (a float32 lookup would promote the whole residual stream, and every GPU kernel that
+    takes bf16 activations would decline). model.to(dtype) after quantizing moves it too."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, d_ff=128, max_seq_len=16)
+    model = TransformerLM(cfg).to(torch.bfloat16).eval()
+    q = quantize_model(model, method, quantize_head=True)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.inference_mode():
+        assert q.embed(ids).dtype == torch.bfloat16, f"{method}: embedding rows in {q.embed(ids).dtype}"
+        assert q(ids).dtype == torch.bfloat16
+        assert q.to(torch.float32).embed(ids).dtype == torch.float32
+    assert "embed.dtype_probe" not in q.state_dict()

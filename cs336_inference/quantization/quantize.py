@@ -108,7 +108,7 @@ def quantize_model(
 def _quantize_vocab(model: nn.Module, fmt: str, group_size: int | None) -> None:
     device = model.embed.weight.device
     table = QuantizedLinear.from_weight(model.embed.weight, fmt, group_size).to(device)
-    model.embed = QuantizedEmbedding(table)
+    model.embed = QuantizedEmbedding(table, model.embed.weight.dtype)
     if model.lm_head is not None:
         model.lm_head = QuantizedLinear.from_linear(model.lm_head, fmt, group_size).to(device)
 
