@@ -363,7 +363,7 @@ def decode_step_bytes(
         weights = dtype_bytes * (num_params(cfg, exact=True) - lookup_only)
     else:
         cfg, weights = model_or_cfg.config, decode_weight_bytes(model_or_cfg)
-        dtype_bytes = dtype_bytes or model_or_cfg.embed.weight.element_size()
+        dtype_bytes = dtype_bytes or model_or_cfg.norm.weight.element_size()  # the KV cache's dtype
     return weights + kv_cache_bytes(cfg, B, S, dtype_bytes)
 
 

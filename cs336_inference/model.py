@@ -175,7 +175,7 @@ class TransformerLM(nn.Module):
         S = cfg.max_seq_len if max_seq_len is None else max_seq_len
         if not 0 < S <= cfg.max_seq_len:
             raise ValueError(f"cache length {S} must be in 1..max_seq_len={cfg.max_seq_len}")
-        model_dtype = self.embed.weight.dtype
+        model_dtype = self.norm.weight.dtype  # the activations' dtype (the embedding may be quantized)
         if dtype is not None and dtype != model_dtype:
             raise ValueError(
                 f"cache dtype {dtype} differs from the model's {model_dtype}: convert the model "

@@ -151,3 +151,15 @@ def test_cuda_graph_step_is_at_least_3x_faster_than_the_eager_step():
         t_eager = median_seconds(eager, 20, device="cuda")
         t_graph = median_seconds(graph, 20, device="cuda")
     assert t_graph * 3 < t_eager, f"graph step {t_graph * 1e3:.3f} ms vs eager {t_eager * 1e3:.3f} ms"
+
+
+def test_a_bf16_quantized_model_decodes_in_the_fixed_shape_step():
+    """The cache of a quantized bf16 model is bf16 (its activations' dtype, not the float32 that its
+    quantized table reports): index_copy_ would refuse the new keys otherwise."""
+    from cs336_inference.quantization import quantize_model
+
+    model = quantize_model(tiny("gqa").to(torch.bfloat16), "int8", quantize_head=True)
+    prompt = torch.tensor([4, 9, 16, 25])
+    expected = generate(model, prompt, 12, stop_token_ids=[])
+    assert model.new_cache(1, 8).layers[0].k.dtype == torch.bfloat16
+    assert graph_generate(model, prompt, 12).tolist() == expected.tolist()

@@ -255,7 +255,7 @@ class LLMEngine:
         self.config = model.config
         self.device = model.embed.weight.device
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
-        self.cache = PagedKVCache(self.config, num_blocks, block_size, model.embed.weight.dtype, self.device)
+        self.cache = PagedKVCache(self.config, num_blocks, block_size, model.norm.weight.dtype, self.device)
         self.scheduler = Scheduler(self.blocks, self.cache.copy_block, max_batch_tokens, max_batch_seqs)
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests
         # The latest finished requests, kept for request_metrics; bounded so that a long-running
