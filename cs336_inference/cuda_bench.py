@@ -24,7 +24,7 @@ import torch
 from . import accounting as acc
 from .config import ModelConfig
 from .format_benchmark import weight_bytes
-from .kernels.graphs import CUDAGraphStep
+from .kernels.graphs import FixedStep
 from .model import TransformerLM
 from .timing import read_bandwidth
 
@@ -57,7 +57,7 @@ def _step_seconds(model: TransformerLM, prompt: torch.Tensor, n: int, graph: boo
     with torch.inference_mode():
         cache = model.new_cache(1, len(prompt) + n + 1)
         token = model(prompt[None], cache=cache, last_only=True)[:, -1].argmax(-1)
-        step = CUDAGraphStep(model, cache) if graph else None
+        step = FixedStep(model, cache) if graph else None
         if step is not None:  # record outside the timed part (done once per cache in real use too)
             token = step(token).argmax(-1)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

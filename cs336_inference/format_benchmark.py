@@ -60,10 +60,22 @@ def weight_bytes(model: TransformerLM) -> int:
 
 
 @torch.inference_mode()
-def decode_seconds(model: TransformerLM, prompt: torch.Tensor, n: int) -> float:
-    """Seconds per decode step over n greedy steps after the prefill (argmax, no sampling overhead)."""
-    cache = model.new_cache(1, len(prompt) + n + 1)
+def decode_seconds(model: TransformerLM, prompt: torch.Tensor, n: int, compiled: bool = False) -> float:
+    """Seconds per decode step over n greedy steps after the prefill (argmax, no sampling overhead).
+
+    compiled: the steps run kernels/graphs.py's fixed-shape step under torch.compile (its first call
+    compiles, once per process and model; it is made before the clock starts)."""
+    cache = model.new_cache(1, len(prompt) + n + 2)
     token = model(prompt[None], cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+    if compiled:
+        from .kernels.graphs import FixedStep
+
+        step = FixedStep(model, cache, "compile")
+        token = step(token[:, 0]).argmax(-1, keepdim=True)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            token = step(token[:, 0]).argmax(-1, keepdim=True)
+        return (time.perf_counter() - t0) / n
     t0 = time.perf_counter()
     for _ in range(n):
         token = model(token, cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
@@ -132,6 +144,7 @@ def format_benchmark(
     llama_cpp: bool = True,
     log: Log = lambda msg: None,
     quantize_head: bool = False,
+    compiled: bool = False,
 ) -> dict:
     """The interleaved comparison (module docstring) as a JSON-ready dict.
 
@@ -150,6 +163,9 @@ def format_benchmark(
     contenders: dict[str, Callable[[], float]] = {
         f"ours {fmt}": (lambda m=m: decode_seconds(m, prompt, new_tokens)) for fmt, m in models.items()
     }
+    if compiled:
+        for fmt, m in models.items():
+            contenders[f"ours {fmt} compiled"] = lambda m=m: decode_seconds(m, prompt, new_tokens, True)
     if hf is not None:
         contenders["transformers fp32"] = lambda: hf_decode_seconds(hf, prompt, new_tokens)
     llama_note = None
@@ -224,6 +240,7 @@ def format_benchmark(
             "rounds": rounds,
             "avg_context": S,
             "quantize_head": quantize_head,
+            "compiled": compiled,
         },
         "parameters": params,
         "kv_bytes_per_step": kv,
@@ -242,14 +259,14 @@ def format_table(r: dict) -> str:
         f"interleaved rounds; load average {env['load_average'][0]:.1f}; output matrix of the quantized "
         f"formats: {'quantized' if st.get('quantize_head') else 'float32'}",
         "",
-        f"{'':<20}{'tok/s':>8}{'vs fp32':>9}{'bits/w':>8}{'MB/step':>9}{'roofline':>10}",
+        f"{'':<24}{'tok/s':>8}{'vs fp32':>9}{'bits/w':>8}{'MB/step':>9}{'roofline':>10}",
     ]
     for name, row in r["rows"].items():
         bits = f"{row['bits_per_weight']:.2f}" if "bits_per_weight" in row else "-"
         mb = f"{row['bytes_per_step'] / 1e6:.0f}" if "bytes_per_step" in row else "-"
         frac = f"{row['roofline_fraction']:.0%}" if "roofline_fraction" in row else "-"
         vs = f"{row['vs_ours_fp32']:.2f}x" if row.get("vs_ours_fp32") else "-"
-        lines.append(f"{name:<20}{row['tokens_per_s']:>8.1f}{vs:>9}{bits:>8}{mb:>9}{frac:>10}")
+        lines.append(f"{name:<24}{row['tokens_per_s']:>8.1f}{vs:>9}{bits:>8}{mb:>9}{frac:>10}")
     lines += ["", "cost of a T-token forward against the cache, relative to T = 1:"]
     lines.append(f"{'':<8}" + "".join(f"{f'T={T}':>8}" for T in T_SIZES))
     for fmt, cost in r["t_token_cost"].items():

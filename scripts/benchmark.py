@@ -90,7 +90,15 @@ def run_formats(args: argparse.Namespace, model, source: Path, prompt: torch.Ten
         log(f"transformers skipped: {why}")
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     result = fb.format_benchmark(
-        model, prompt, formats, args.new_tokens, args.runs, hf=hf, log=log, quantize_head=args.quantize_head
+        model,
+        prompt,
+        formats,
+        args.new_tokens,
+        args.runs,
+        hf=hf,
+        log=log,
+        quantize_head=args.quantize_head,
+        compiled=args.compiled,
     )
     result["table"] = fb.format_table(result)
     if args.png:
@@ -343,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
         "--quantize-head",
         action="store_true",
         help="quantize the output matrix (the tied embedding) too, as llama.cpp's files do",
+    )
+    dec.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also time each format with the torch.compile'd fixed-shape step (about 2 min to compile each)",
     )
     spec = sub.add_parser("speculative", help="speculative decoding: alpha, tokens/pass, speedup vs k")
     spec.add_argument("--model", help="target checkpoint (default: SmolLM2-135M-Instruct GGUF)")

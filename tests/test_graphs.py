@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cs336_inference.config import FULL, SLIDING, ModelConfig
-from cs336_inference.kernels.graphs import CUDAGraphStep, graph_generate
+from cs336_inference.kernels.graphs import FixedStep, graph_generate
 from cs336_inference.model import TransformerLM
 from cs336_inference.sampling import generate
 
@@ -50,7 +50,7 @@ def _check_steps(model):
     eager_cache, fixed_cache = model.new_cache(2, S, spare=S), model.new_cache(2, S, spare=S)
     model(prompt, cache=eager_cache)
     model(prompt, cache=fixed_cache)
-    step = CUDAGraphStep(model, fixed_cache, use_graph=False)
+    step = FixedStep(model, fixed_cache, "eager")
     token = torch.tensor([3, 5])
     for t in range(S - 7):
         expected = model(token[:, None], cache=eager_cache)[:, -1]
@@ -75,7 +75,7 @@ def _check_padding(model):
     ids = torch.tensor([[1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 7, 8]])
     cache = model.new_cache(2, 6 + 12, pad=pad)
     token = model(ids, cache=cache)[:, -1].argmax(-1)
-    step, out = CUDAGraphStep(model, cache, use_graph=False), [token]
+    step, out = FixedStep(model, cache, "eager"), [token]
     for _ in range(11):
         token = step(token).argmax(-1)
         out.append(token)
@@ -86,12 +86,12 @@ def _check_padding(model):
 def test_ring_and_mla_caches_are_refused_in_one_line():
     ring = TransformerLM(ModelConfig(**{**BASE, "n_kv_heads": 2, "sliding_window": 5}))
     with pytest.raises(ValueError, match="layer 0 has a RingKVCache"):
-        CUDAGraphStep(ring, ring.new_cache(1, 40))
+        FixedStep(ring, ring.new_cache(1, 40))
     mla = TransformerLM(
         ModelConfig(**BASE, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
     )
     with pytest.raises(ValueError, match="MLACache"):
-        CUDAGraphStep(mla, mla.new_cache(1, 40))
+        FixedStep(mla, mla.new_cache(1, 40))
 
 
 def test_graph_generate_on_the_cpu_is_greedy_generate():
@@ -138,7 +138,7 @@ def test_cuda_graph_step_is_at_least_3x_faster_than_the_eager_step():
         model(prompt, cache=eager_cache)
         model(prompt, cache=graph_cache)
         token = torch.tensor([1], device="cuda")
-        step = CUDAGraphStep(model, graph_cache)
+        step = FixedStep(model, graph_cache)
 
         def eager():
             model(token[:, None], cache=eager_cache)
@@ -163,3 +163,39 @@ def test_a_bf16_quantized_model_decodes_in_the_fixed_shape_step():
     expected = generate(model, prompt, 12, stop_token_ids=[])
     assert model.new_cache(1, 8).layers[0].k.dtype == torch.bfloat16
     assert graph_generate(model, prompt, 12).tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "q4_0"])
+def test_the_compiled_cpu_step_equals_the_cached_forward(fmt):
+    """torch.compile of the fixed-shape step (one graph; the C kernels as opaque custom ops) against
+    the eager cached forward: logits to float32 rounding (the compiler fuses and reorders the small
+    ops), then the same greedy tokens."""
+    from cs336_inference.kernels import build
+    from cs336_inference.quantization import quantize_model
+
+    if build.library() is None:
+        pytest.skip("the C kernels are not built here (CS336_KERNELS=0 or no compiler)")
+    model = tiny("gqa")
+    model = model if fmt == "fp32" else quantize_model(model, fmt, quantize_head=True)
+    prompt = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        eager_cache, fixed_cache = model.new_cache(1, 24), model.new_cache(1, 24)
+        token = model(prompt, cache=eager_cache)[:, -1].argmax(-1)
+        model(prompt, cache=fixed_cache)
+        step = FixedStep(model, fixed_cache, "compile")
+        for t in range(18):
+            expected = model(token[:, None], cache=eager_cache)[:, -1]
+            got = step(token)
+            torch.testing.assert_close(
+                got, expected, rtol=1e-4, atol=1e-4, msg=lambda m, t=t: f"{fmt} step {t}: {m}"
+            )
+            token = expected.argmax(-1)
+            assert got.argmax(-1).tolist() == token.tolist(), f"{fmt} step {t}: greedy token differs"
+
+
+def test_modes_are_checked_in_one_line():
+    model = tiny("gqa")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        FixedStep(model, model.new_cache(1, 8), "fast")
+    with pytest.raises(ValueError, match="runs on CUDA"):
+        FixedStep(model, model.new_cache(1, 8), "graph")

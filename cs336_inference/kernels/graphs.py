@@ -13,8 +13,14 @@ step, and the position is a Python int.
   greater than the query's, so the causal mask (`attention_mask`) hides them.
 It calls the model's own blocks (the student's attention, RoPE, norms, MLP), so its output equals
 `model(token, cache=cache)`; only the keys it attends over are padded to S_max with masked slots.
-On the CPU it runs eagerly (tested equal to the cached forward); on CUDA, `CUDAGraphStep` records
+On the CPU it runs eagerly (tested equal to the cached forward); on CUDA, `FixedStep` records
 it once and replays it.
+
+On the CPU there are no graphs to replay, but the same fixed shapes let `torch.compile` trace the
+whole step as one graph (fullgraph, no recompiles as the cache grows) and fuse its few thousand small
+ops (norms, rotary, masks, softmax, residual adds) into a few dozen loops; the C kernels stay opaque
+calls (kernels/ops.py). `FixedStep(..., mode="compile")`; compiling SmolLM2's step takes about two
+minutes on 2 cores, once per process and shape.
 
 Supported: MHA / GQA / MQA, CLA, and sliding-window layers held in a full static cache; ring caches
 (a window smaller than the cache) and MLA are not (a ValueError says so).
@@ -29,6 +35,9 @@ from torch import Tensor
 
 from ..attention import ForwardContext
 from ..kv_cache import KVCache, StaticKVCache
+from ..quantization.linear import PackedWeight
+
+MODES = ("graph", "compile", "eager")
 
 
 class _FixedStore:
@@ -52,7 +61,7 @@ class StaticDecodeStep:
     """logits = model(ids, cache=cache) for one new token per row, with fixed shapes.
 
     Write the inputs into `self.ids` [B, 1] and `self.pos` [1] (the step being decoded, = cache.pos),
-    call `forward()`; then advance cache.pos yourself (`CUDAGraphStep.__call__` does both).
+    call `forward()`; then advance cache.pos yourself (`FixedStep.__call__` does both).
     """
 
     def __init__(self, model, cache: KVCache):
@@ -69,6 +78,9 @@ class StaticDecodeStep:
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         # a pad (zeros if none) makes ForwardContext build the causal mask, which hides unwritten slots
         self.pad = torch.zeros(B, dtype=torch.long, device=device) if cache.pad is None else cache.pad
+        # a quantized output matrix: its layer, called directly (what F.linear(h, PackedWeight) does)
+        w = model.vocab_weight
+        self.head = w.layer if isinstance(w, PackedWeight) else None
         self.view = _FixedCache([None if s is None else _FixedStore(s, self.pos) for s in cache.layers])
 
     def forward(self) -> Float[Tensor, "B V"]:
@@ -80,20 +92,48 @@ class StaticDecodeStep:
         x = model.embed(self.ids)
         for block in model.layers:
             x = block(x, ctx)
-        return F.linear(model.norm(x), model.vocab_weight)[:, -1]
+        h = model.norm(x)
+        return (self.head(h) if self.head is not None else F.linear(h, model.vocab_weight))[:, -1]
 
 
-class CUDAGraphStep:
-    """`step(tokens [B]) -> logits [B, V]`: one decode step, recorded as a CUDA graph on first use.
+def _forward(step: StaticDecodeStep) -> Tensor:
+    return step.forward()
 
-    Each call copies the tokens and cache.pos into the step's fixed inputs, replays the graph, and
-    advances cache.pos. The logits tensor is the graph's own output buffer: the next call overwrites
-    it (clone it to keep it). `use_graph=False` runs the same fixed-shape step eagerly (any device).
+
+_compiled_forward = None
+
+
+def compiled_forward():
+    """`_forward` under torch.compile (made once: every FixedStep with the same shapes reuses it)."""
+    global _compiled_forward
+    if _compiled_forward is None:
+        # one compiled graph per model and cache shape; the default limit (8) is low for a benchmark
+        if hasattr(torch._dynamo.config, "recompile_limit"):
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        _compiled_forward = torch.compile(_forward, dynamic=False, fullgraph=True)
+    return _compiled_forward
+
+
+class FixedStep:
+    """`step(tokens [B]) -> logits [B, V]`: one decode step of the fixed-shape forward.
+
+    mode "graph" (CUDA only; the default there): recorded as a CUDA graph on the first call, replayed
+    after; the logits tensor is the graph's own output buffer, overwritten by the next call (clone it
+    to keep it). "compile" (CPU only): torch.compile'd on the first call. "eager" (the default on
+    the CPU): the fixed-shape forward as it is. Each call copies the tokens and cache.pos into the
+    step's fixed inputs, runs, and advances cache.pos.
     """
 
-    def __init__(self, model, cache: KVCache, use_graph: bool = True):
-        self.step, self.cache = StaticDecodeStep(model, cache), cache
-        self.use_graph = use_graph and model.embed.weight.device.type == "cuda"
+    def __init__(self, model, cache: KVCache, mode: str | None = None):
+        device = model.embed.weight.device.type
+        mode = mode or ("graph" if device == "cuda" else "eager")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if (mode == "graph") != (device == "cuda") and mode != "eager":
+            raise ValueError(
+                f"mode {mode!r} runs on {'CUDA' if mode == 'graph' else 'the CPU'}, not {device}"
+            )
+        self.step, self.cache, self.mode = StaticDecodeStep(model, cache), cache, mode
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: Tensor | None = None
 
@@ -114,22 +154,28 @@ class CUDAGraphStep:
             raise ValueError(f"KV cache full: {self.cache.pos} + 1 tokens > capacity {self.cache.capacity}")
         self.step.ids.copy_(tokens.reshape(-1, 1))
         self.step.pos.fill_(self.cache.pos)
-        if not self.use_graph:
-            logits = self.step.forward()
-        else:
+        if self.mode == "graph":
             if self.graph is None:
                 self._record()
             self.graph.replay()
             logits = self.logits
+        elif self.mode == "compile":
+            if self.graph is None:  # an eager call first: settles the fp32 layouts (kernels/layout.py)
+                self.step.forward()
+                self.graph = True
+            logits = compiled_forward()(self.step)
+        else:
+            logits = self.step.forward()
         self.cache.pos += 1
         return logits
 
 
 @torch.inference_mode()
 def graph_generate(
-    model, prompt_ids: Int[Tensor, " P"], max_new_tokens: int, use_graph: bool = True
+    model, prompt_ids: Int[Tensor, " P"], max_new_tokens: int, mode: str | None = None
 ) -> Int[Tensor, " n"]:
-    """Greedy decoding of one prompt with an eager prefill and a CUDA-graph decode step.
+    """Greedy decoding of one prompt with an eager prefill and a FixedStep decode step (mode: as
+    FixedStep's; by default a CUDA graph on CUDA, the eager fixed-shape step on the CPU).
 
     No stop tokens: exactly max_new_tokens tokens, the same as `generate(..., stop_token_ids=[])`.
     """
@@ -141,7 +187,7 @@ def graph_generate(
     token = model(ids, cache=cache, last_only=True)[:, -1].argmax(-1)
     out = torch.empty(max_new_tokens, dtype=torch.long, device=device)
     out[0] = token[0]
-    step = CUDAGraphStep(model, cache, use_graph)
+    step = FixedStep(model, cache, mode)
     for t in range(1, max_new_tokens):
         token = step(token).argmax(-1)
         out[t] = token[0]

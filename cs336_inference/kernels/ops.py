@@ -3,11 +3,17 @@
 Every function returns None (the caller runs its readable PyTorch path) unless the kernels are
 built and the call is a decode shape they handle: float32 x on the CPU with 1..MAX_ROWS rows, no
 autograd graph to build. The checks are kept cheap: a decode step of SmolLM2 makes 211 calls.
+
+Under torch.compile (kernels/graphs.py compiles the fixed-shape decode step) the same calls go
+through the custom ops `cs336::linear_f32` and `cs336::quantized`, which the compiler keeps as
+opaque calls (ctypes and data pointers cannot be traced); eagerly the C function is called directly,
+since a custom op's dispatch costs more than the call itself.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
@@ -54,11 +60,24 @@ def linear_fp32(
         return None
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
+    if torch.compiler.is_compiling():
+        return torch.ops.cs336.linear_f32(x, weight, bias)
     x2, M, ldx = rows
     y = torch.empty(*x.shape[:-1], d_out)
     fn(x2.data_ptr(), M, d_in, ldx, weight.data_ptr(), d_out, bias if bias is None else bias.data_ptr(), y.data_ptr(),
        torch.get_num_threads())  # fmt: skip
     return y
+
+
+@torch.library.custom_op("cs336::linear_f32", mutates_args=())
+def _linear_f32_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    y = linear_fp32(x, weight, bias)
+    return F.linear(x, weight, bias) if y is None else y
+
+
+@_linear_f32_op.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def quantized_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"] | None:
@@ -70,40 +89,59 @@ def quantized_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"]
     if lib is None:
         return None
     rows = _rows(x, layer.d_in, False)
-    if rows is None:
+    fmt, bias = layer.fmt, layer.bias
+    if rows is None or (bias is not None and bias.dtype != torch.float32) or fmt not in FORMAT_CODES:
         return None
+    if fmt == "int4" and layer.scale.dtype != torch.float16:
+        return None
+    scale, zero = getattr(layer, "scale", None), getattr(layer, "zero", None)
+    if torch.compiler.is_compiling():
+        return torch.ops.cs336.quantized(x, layer.qweight, scale, zero, bias, FORMAT_CODES[fmt], layer.d_out)
+    return _quantized_call(lib, rows, x, layer.qweight, scale, zero, bias, fmt, layer.d_out)
+
+
+def _quantized_call(lib, rows, x, q, scale, zero, bias, fmt: str, d_out: int) -> Tensor:
     x2, M, ldx = rows
-    d_out, threads, bias = layer.d_out, torch.get_num_threads(), layer.bias
-    bias = None if bias is None else bias.data_ptr() if bias.dtype == torch.float32 else False
-    if bias is False:
-        return None
+    d_in, threads = x.shape[-1], torch.get_num_threads()
+    bias = None if bias is None else bias.data_ptr()
     y = torch.empty(*x.shape[:-1], d_out)
-    fmt = layer.fmt
     if fmt == "int8":
         lib.cs336_int8(
             x2.data_ptr(),
             M,
-            layer.d_in,
+            d_in,
             ldx,
             q.data_ptr(),
-            layer.scale.data_ptr(),
+            scale.data_ptr(),
             d_out,
             bias,
             y.data_ptr(),
             threads,
         )
     elif fmt == "int4":
-        scale, zero = layer.scale, layer.zero
-        if scale.dtype != torch.float16:
-            return None
         lib.cs336_int4(
-            x2.data_ptr(), M, layer.d_in, ldx, q.data_ptr(), scale.data_ptr(), zero.data_ptr(), scale.shape[1], d_out,
+            x2.data_ptr(), M, d_in, ldx, q.data_ptr(), scale.data_ptr(), zero.data_ptr(), scale.shape[1], d_out,
             bias, y.data_ptr(), threads,
         )  # fmt: skip
-    elif fmt in GGML:
-        lib.cs336_ggml(
-            GGML[fmt], x2.data_ptr(), M, layer.d_in, ldx, q.data_ptr(), d_out, bias, y.data_ptr(), threads
-        )
     else:
-        return None
+        lib.cs336_ggml(
+            GGML[fmt], x2.data_ptr(), M, d_in, ldx, q.data_ptr(), d_out, bias, y.data_ptr(), threads
+        )
     return y
+
+
+FORMAT_CODES = {"int8": 1, "int4": 2, **GGML}
+_FORMAT_NAMES = {code: name for name, code in FORMAT_CODES.items()}
+
+
+@torch.library.custom_op("cs336::quantized", mutates_args=())
+def _quantized_op(
+    x: Tensor, q: Tensor, scale: Tensor | None, zero: Tensor | None, bias: Tensor | None, fmt: int, d_out: int
+) -> Tensor:
+    rows = _rows(x, x.shape[-1], False)
+    return _quantized_call(build.library(), rows, x, q, scale, zero, bias, _FORMAT_NAMES[fmt], d_out)
+
+
+@_quantized_op.register_fake
+def _(x, q, scale, zero, bias, fmt: int, d_out: int) -> Tensor:
+    return x.new_empty(*x.shape[:-1], d_out)
