@@ -177,7 +177,8 @@ def format_benchmark(
                     llama_note = LLAMA_CPP_HINT
                     break
                 contenders[f"llama.cpp {fmt}"] = lambda llm=llm: llama_decode_seconds(llm, prompt, new_tokens)
-        for fn in contenders.values():  # warm-up (builds the kernels, plans the fp32 layouts)
+        for name, fn in contenders.items():  # warm-up (builds the kernels, plans the fp32 layouts, compiles)
+            log(f"  warm-up: {name}" + (" (compiling, about 2 minutes)" if name.endswith("compiled") else ""))
             fn()
         times: dict[str, list[float]] = {name: [] for name in contenders}
         for r in range(rounds):

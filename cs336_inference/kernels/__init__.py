@@ -13,6 +13,10 @@ build.py    compiles decode.c on first use (gcc -O3 -march=native -fopenmp, ~1-7
 decode.c    the kernels: fp32 (row- or column-major), int8, int4, Q8_0, Q4_0, Q4_1
 ops.py      argument checks and calls (None when a call is not one the kernels handle)
 layout.py   the fp32 path of layers.Linear: layout and product chosen per shape by measurement
+graphs.py   the decode step with fixed shapes: replayed as a CUDA graph on a GPU, torch.compile'd on
+            the CPU (the products above stay opaque custom ops), or run eagerly
+cuda.py     GPU weight-only products for bf16 activations: int4 through tinygemm, int8 through
+triton_int8.py  a Triton kernel that reads the int8 weight once
 
 quantization.linear.KERNELS is filled from QUANTIZED; layers.Linear calls `decode_linear`.
 Prefill (more than 32 rows) stays on BLAS. 32 covers a speculative verification of up to 31 drafts.
