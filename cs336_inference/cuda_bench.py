@@ -26,7 +26,7 @@ from .config import ModelConfig
 from .format_benchmark import weight_bytes
 from .kernels.graphs import FixedStep
 from .model import TransformerLM
-from .timing import read_bandwidth
+from .timing import interleaved_rounds, read_bandwidth
 
 Log = Callable[[str], None]
 T_SIZES = (1, 2, 5, 9, 17)
@@ -156,17 +156,7 @@ def cuda_decode_benchmark(
         contenders["transformers bf16 eager"] = lambda: _hf_step_seconds(hf_model, prompt, new_tokens)
     bandwidth = read_bandwidth(2**30, device="cuda", repeats=9)
     log(f"{torch.cuda.get_device_name()}: read bandwidth {bandwidth / 1e12:.2f} TB/s")
-    for fn in contenders.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for r in range(rounds):
-        for name, fn in contenders.items():
-            times[name].append(fn())
-        log(
-            f"  round {r + 1}/{rounds}: "
-            + ", ".join(f"{k} {1 / v[-1]:.0f}" for k, v in times.items())
-            + " tok/s"
-        )
+    times = interleaved_rounds(contenders, rounds, log, ".0f")
 
     S = len(prompt) + new_tokens // 2
     kv = acc.kv_cache_bytes(base.config, 1, S, 2)

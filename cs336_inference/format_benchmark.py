@@ -28,7 +28,7 @@ import torch
 
 from . import accounting as acc
 from .model import TransformerLM
-from .timing import read_bandwidth
+from .timing import interleaved_rounds, read_bandwidth
 
 Log = Callable[[str], None]
 T_SIZES = (1, 2, 5, 9, 17)
@@ -177,18 +177,7 @@ def format_benchmark(
                     llama_note = LLAMA_CPP_HINT
                     break
                 contenders[f"llama.cpp {fmt}"] = lambda llm=llm: llama_decode_seconds(llm, prompt, new_tokens)
-        for name, fn in contenders.items():  # warm-up (builds the kernels, plans the fp32 layouts, compiles)
-            log(f"  warm-up: {name}" + (" (compiling, about 2 minutes)" if name.endswith("compiled") else ""))
-            fn()
-        times: dict[str, list[float]] = {name: [] for name in contenders}
-        for r in range(rounds):
-            for name, fn in contenders.items():
-                times[name].append(fn())
-            log(
-                f"  round {r + 1}/{rounds}: "
-                + ", ".join(f"{k} {1 / v[-1]:.1f}" for k, v in times.items())
-                + " tok/s"
-            )
+        times = interleaved_rounds(contenders, rounds, log)
 
     S = len(prompt) + new_tokens // 2
     kv = acc.kv_cache_bytes(model.config, 1, S, 4)

@@ -12,6 +12,10 @@ speculative decoding and plain `generate` on the same prompts in the same proces
     identical        greedy speculative output == greedy generate output, every prompt
 
 Times are wall clock on whatever device the models are on (CUDA events on a GPU).
+
+step_mode (None, "compile" on the CPU, "graph" on CUDA) runs the target as fixed-shape steps
+(kernels/graphs.py) in every measurement: the verify and one-token step costs, the target-only
+baseline (`graph_generate`) and speculative decoding, so the speedup compares like with like.
 """
 
 from __future__ import annotations
@@ -57,26 +61,38 @@ def expected_tokens_per_pass(alpha: float, k: int) -> float:
 
 
 @torch.inference_mode()
-def forward_cost(model: TransformerLM, context: torch.Tensor, n_tokens: int, runs: int = 3) -> float:
-    """Median seconds of one cached forward of n_tokens after `context` (rolled back after each)."""
-    cache = model.new_cache(1, len(context) + n_tokens)
+def forward_cost(
+    model: TransformerLM, context: torch.Tensor, n_tokens: int, runs: int = 3, step_mode: str | None = None
+) -> float:
+    """Median seconds of one cached forward of n_tokens after `context` (rolled back after each);
+    with a step_mode, of the fixed-shape step of n_tokens (as speculative decoding runs it)."""
+    if step_mode is None:
+        cache = model.new_cache(1, len(context) + n_tokens)
+        forward = model
+    else:
+        from .kernels.graphs import FixedShapes, fixed_capacity
+
+        cache = model.new_cache(1, fixed_capacity(len(context) + n_tokens, model.config.max_seq_len))
+        forward = FixedShapes(model, cache, n_tokens, step_mode)
     model(context[None, :-n_tokens], cache=cache)
     start = cache.pos
     feed = context[None, -n_tokens:]
 
     def step():
-        model(feed, cache=cache)
+        forward(feed, cache=cache)
         cache.truncate(start)
 
     return median_seconds(step, repeats=runs, warmup=1, device=context.device)
 
 
-def pass_costs(target: TransformerLM, context: torch.Tensor, ks: list[int], runs: int, log: Log) -> dict:
+def pass_costs(
+    target: TransformerLM, context: torch.Tensor, ks: list[int], runs: int, log: Log, step_mode=None
+) -> dict:
     """{"step_s": 1-token step, "verify_ratio": {k: (k+1)-token forward / 1-token step}}."""
-    step = forward_cost(target, context, 1, runs)
+    step = forward_cost(target, context, 1, runs, step_mode)
     ratios = {}
     for k in ks:
-        ratios[k] = forward_cost(target, context, k + 1, runs) / step
+        ratios[k] = forward_cost(target, context, k + 1, runs, step_mode) / step
         log(f"  verify pass of {k + 1} tokens: {ratios[k]:.2f}x a one-token step ({step * 1e3:.0f} ms)")
     return {"step_s": step, "verify_ratio": ratios}
 
@@ -98,15 +114,16 @@ def speculative_benchmark(
     stop_token_ids: list[int] | None = None,
     runs: int = 3,
     log: Log = print,
+    step_mode: str | None = None,
 ) -> dict:
     """Greedy speculative decoding vs target-only decoding; returns {"rows": [...], "costs": {...}}.
 
     drafts: name -> "ngram" / NGramDraft / TransformerLM; workloads: name -> list of prompt ids.
-    Each (workload, draft, k) row pools the workload's prompts.
+    Each (workload, draft, k) row pools the workload's prompts. step_mode: see the module docstring.
     """
     first = next(iter(workloads.values()))[0]
-    log(f"pass costs at a context of {len(first)} tokens:")
-    costs = pass_costs(target, first, sorted(set(ks)), runs, log)
+    log(f"pass costs at a context of {len(first)} tokens{'' if step_mode is None else ', ' + step_mode}:")
+    costs = pass_costs(target, first, sorted(set(ks)), runs, log, step_mode)
     draft_ratio = {}
     for name, draft in drafts.items():
         if isinstance(draft, TransformerLM):
@@ -114,13 +131,19 @@ def speculative_benchmark(
             log(f"  draft {name}: one step = {draft_ratio[name]:.2f}x a target step")
         else:
             draft_ratio[name] = 0.0
+
+    def target_only(ids):
+        if step_mode is None:
+            return generate(target, ids, max_new_tokens, stop_token_ids=stop_token_ids)
+        from .kernels.graphs import graph_generate
+
+        return graph_generate(target, ids, max_new_tokens, step_mode, stop_token_ids or ())
+
     rows = []
     for wname, prompts in workloads.items():
         base_tokens, base_s = [], 0.0
         for ids in prompts:
-            out, seconds = _timed(
-                lambda ids=ids: generate(target, ids, max_new_tokens, stop_token_ids=stop_token_ids)
-            )
+            out, seconds = _timed(lambda ids=ids: target_only(ids))
             base_tokens.append(out)
             base_s += seconds
         n_base = sum(len(t) for t in base_tokens)
@@ -139,6 +162,7 @@ def speculative_benchmark(
                             k=k,
                             stop_token_ids=stop_token_ids,
                             return_stats=True,
+                            step_mode=step_mode,
                         )
                     )
                     spec_s += seconds

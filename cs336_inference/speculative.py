@@ -338,6 +338,7 @@ def speculative_stream(
     seed: int | None = None,
     stop_token_ids: Sequence[int] | None = None,
     stats: SpeculativeStats | None = None,
+    step_mode: str | None = None,
 ) -> Iterator[int]:
     """Yield the new token ids one by one as each round emits them (a stop token is yielded, then it
     ends); `stats`, if given, is filled in as it goes. Arguments are checked at the call."""
@@ -346,17 +347,26 @@ def speculative_stream(
     stats = SpeculativeStats(k=k) if stats is None else stats
     stats.k = k
     sampling = Sampling(temperature, top_k, top_p)
-    return _rounds(target, as_draft(draft), ids, int(max_new_tokens), k, sampling, seed, stops, stats)
+    drafter = as_draft(draft)
+    return _rounds(target, drafter, ids, int(max_new_tokens), k, sampling, seed, stops, stats, step_mode)
 
 
 @torch.inference_mode()
-def _rounds(target, drafter, ids, max_new_tokens, k, sampling, seed, stops, stats) -> Iterator[int]:
+def _rounds(
+    target, drafter, ids, max_new_tokens, k, sampling, seed, stops, stats, step_mode
+) -> Iterator[int]:
     P, device = len(ids), ids.device
     # a seeded generator reproduces the draws; greedy draws nothing that matters, so keep the global RNG
     if seed is not None or sampling.temperature == 0.0:
         sampling.generator = torch.Generator(device=device).manual_seed(0 if seed is None else seed)
     capacity = P + max_new_tokens
-    cache = target.new_cache(1, capacity, spare=k)
+    if step_mode is None:
+        cache = target.new_cache(1, capacity, spare=k)
+    else:  # the target runs fixed-shape steps of 1 and k + 1 tokens (staff code, kernels/graphs.py)
+        from .kernels.graphs import FixedShapes, fixed_capacity
+
+        cache = target.new_cache(1, fixed_capacity(capacity + k, target.config.max_seq_len))
+        target = FixedShapes(target, cache, k + 1, step_mode)
     check_rollback(cache, k)
     drafter.reset(capacity, k)
     stats.caches["target"] = cache
@@ -412,6 +422,7 @@ def speculative_generate(
     seed: int | None = None,
     stop_token_ids: Sequence[int] | None = None,
     return_stats: bool = False,
+    step_mode: str | None = None,
 ):
     """Generate up to max_new_tokens tokens of one prompt from `target`, drafting k tokens per round.
 
@@ -422,10 +433,24 @@ def speculative_generate(
     ids, ends it and is kept), and with return_stats=True also a SpeculativeStats.
     Raises ValueError for k < 1, a draft with another vocabulary, a batch, or a prompt + k or prompt +
     max_new_tokens past the context window.
+    step_mode: None runs the target's own forward; "compile" (CPU), "graph" (CUDA) or "eager" run it as
+    fixed-shape steps of 1 and k + 1 tokens (`kernels.graphs.FixedShapes`; static caches only), where a
+    verify pass costs little more than a decode step.
     """
     stats = SpeculativeStats(k=k)
     stream = speculative_stream(
-        target, draft, prompt_ids, max_new_tokens, k, temperature, top_k, top_p, seed, stop_token_ids, stats
+        target,
+        draft,
+        prompt_ids,
+        max_new_tokens,
+        k,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        stop_token_ids,
+        stats,
+        step_mode,
     )
     out = torch.tensor(list(stream), dtype=torch.long, device=target.embed.weight.device)
     return (out, stats) if return_stats else out

@@ -88,6 +88,27 @@ def median_seconds(
     return statistics.median(times)
 
 
+def interleaved_rounds(
+    contenders: dict[str, Callable[[], float]], rounds: int, log: Callable[[str], None], fmt: str = ".1f"
+) -> dict[str, list[float]]:
+    """{name: [seconds per round]}: each contender's fn() (which times itself and returns seconds per
+    token) once untimed, then `rounds` rounds of one call each, in turn, so that a machine's drift
+    (load, clocks, memory bandwidth) is shared by all contenders; logs each warm-up and round."""
+    for name, fn in contenders.items():  # warm-up (builds kernels, plans layouts, compiles, records)
+        log(f"  warm-up: {name}" + (" (compiling, about 2 minutes)" if name.endswith("compiled") else ""))
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for r in range(rounds):
+        for name, fn in contenders.items():
+            times[name].append(fn())
+        log(
+            f"  round {r + 1}/{rounds}: "
+            + ", ".join(f"{k} {1 / v[-1]:{fmt}}" for k, v in times.items())
+            + " tok/s"
+        )
+    return times
+
+
 def read_bandwidth(
     n_bytes: int, device: torch.device | str | None = None, repeats: int = 5, warmup: int = 2
 ) -> float:

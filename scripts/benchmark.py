@@ -243,13 +243,15 @@ def run_speculative(args: argparse.Namespace) -> dict:
     }
     stops = list(dict.fromkeys(list(tokenizer.eos_token_ids) + target.config.eos_token_ids))
     result = spec_bench.speculative_benchmark(
-        target, drafts, workloads, ks, args.max_new_tokens, stops, runs=args.runs, log=log
-    )
+        target, drafts, workloads, ks, args.max_new_tokens, stops, runs=args.runs, log=log,
+        step_mode="compile" if args.compiled else None,
+    )  # fmt: skip
     table = spec_bench.format_table(result["rows"])
     if args.plot:
         spec_bench.plot_speedup(result["rows"], args.plot)
     return {"model": str(source), "threads": torch.get_num_threads(), "prompts": args.prompts,
-            "max_new_tokens": args.max_new_tokens, **result, "table": table}  # fmt: skip
+            "max_new_tokens": args.max_new_tokens, "compiled": args.compiled, **result,
+            "table": table}  # fmt: skip
 
 
 def run_gpu(args: argparse.Namespace) -> dict:
@@ -369,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     spec.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     spec.add_argument("--out", type=Path, help="write the results as JSON here")
     spec.add_argument("--plot", type=Path, help="write a PNG of speedup vs k here")
+    spec.add_argument(
+        "--compiled",
+        action="store_true",
+        help="run the target as torch.compile'd fixed-shape steps of 1 and k+1 tokens, in the baseline "
+        "too (CPU; about 2 min to compile each shape, cached after)",
+    )
     gpu = sub.add_parser(
         "gpu", help="GPU decode: eager vs CUDA-graph steps, bf16 / int8 / int4, transformers"
     )

@@ -103,6 +103,97 @@ def test_graph_generate_on_the_cpu_is_greedy_generate():
         graph_generate(model, prompt, 0)
 
 
+def test_graph_generate_stops_where_generate_does():
+    model = tiny("gqa")
+    prompt = torch.tensor([4, 9, 16, 25])
+    free = generate(model, prompt, 20, stop_token_ids=[]).tolist()
+    stop = free[5]  # a token that comes: both stop at its first occurrence, and keep it
+    expected = generate(model, prompt, 20, stop_token_ids=[stop])
+    got = graph_generate(model, prompt, 20, stop_token_ids=[stop])
+    assert got.tolist() == expected.tolist() and got[-1] == stop and len(got) <= 6
+
+
+# ------------------------------------------------------------------ T tokens: a verify pass
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_fixed_shape_step_of_t_tokens_equals_the_cached_forward(variant):
+    """T = 4 tokens per call (speculative decoding's verify pass): causal among the T new queries."""
+    model = tiny(variant)
+    prompt = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    S, T = 40, 4
+    with torch.inference_mode():
+        eager_cache, fixed_cache = model.new_cache(2, S, spare=S), model.new_cache(2, S, spare=S)
+        model(prompt, cache=eager_cache)
+        model(prompt, cache=fixed_cache)
+        step = FixedStep(model, fixed_cache, "eager", T=T)
+        ids = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(2))
+        for t in range((S - 7) // T):
+            expected = model(ids, cache=eager_cache)
+            got = step(ids)
+            assert got.shape == (2, T, 64), f"{variant}: logits shape {tuple(got.shape)}"
+            torch.testing.assert_close(
+                got, expected, rtol=1e-5, atol=1e-5, msg=lambda m, t=t: f"call {t}: {m}"
+            )
+            assert fixed_cache.pos == eager_cache.pos
+            ids = expected.argmax(-1)
+        with pytest.raises(ValueError, match="KV cache full"):
+            step(ids)
+
+
+@pytest.mark.parametrize("variant", ["mha", "gqa", "mqa", "cla"])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_speculative_decoding_through_fixed_shape_steps_is_greedy_generate(variant, k):
+    """step_mode runs the target's verify passes as one padded (k+1)-token step: same tokens, and the
+    cache, rolled back and overwritten, holds exactly the accepted tokens at the end."""
+    from cs336_inference.speculative import speculative_generate
+
+    model = tiny(variant)
+    base = torch.randint(0, 64, (10,), generator=torch.Generator().manual_seed(3))
+    prompt = torch.cat([base, base, base[:4]])  # repeats: prompt lookup proposes, and is often right
+    expected = generate(model, prompt, 30, stop_token_ids=[])
+    got, stats = speculative_generate(
+        model, "ngram", prompt, 30, k=k, stop_token_ids=[], return_stats=True, step_mode="eager"
+    )
+    assert got.tolist() == expected.tolist(), f"{variant} k={k}"
+    assert stats.target_passes < 30 and stats.accepted > 0
+    final = torch.cat([prompt, got])[None, :-1]
+    cache = stats.caches["target"]
+    assert cache.pos == final.shape[1]
+    with torch.inference_mode():
+        fresh = model.new_cache(1, cache.capacity)
+        model(final, cache=fresh)
+    for i, (a, b) in enumerate(zip(cache.layers, fresh.layers, strict=True)):
+        if a is not None:
+            n = final.shape[1]
+            torch.testing.assert_close(
+                a.k[:, :, :n], b.k[:, :, :n], msg=lambda m, i=i: f"layer {i} keys: {m}"
+            )
+
+
+def test_compiled_speculative_decoding_is_greedy_generate():
+    """The compiled 1- and (k+1)-token steps (CPU) give greedy generate's tokens."""
+    from cs336_inference.kernels import build
+    from cs336_inference.speculative import speculative_generate
+
+    if build.library() is None:
+        pytest.skip("the C kernels are not built here (CS336_KERNELS=0 or no compiler)")
+    model = tiny("gqa")
+    base = torch.randint(0, 64, (10,), generator=torch.Generator().manual_seed(3))
+    prompt = torch.cat([base, base, base[:4]])
+    expected = generate(model, prompt, 30, stop_token_ids=[])
+    got, stats = speculative_generate(
+        model, "ngram", prompt, 30, k=3, stop_token_ids=[], return_stats=True, step_mode="compile"
+    )
+    assert got.tolist() == expected.tolist() and stats.accepted > 0
+
+
+def test_speculative_fixed_steps_refuse_ring_caches_in_one_line():
+    from cs336_inference.speculative import speculative_generate
+
+    ring = TransformerLM(ModelConfig(**{**BASE, "n_kv_heads": 2, "sliding_window": 5}))
+    with pytest.raises(ValueError, match="needs static KV caches"):
+        speculative_generate(ring, "ngram", torch.tensor([1, 2, 3]), 8, k=2, step_mode="eager")
+
+
 # ------------------------------------------------------------------ GPU
 def smollm2_shaped(dtype=torch.bfloat16) -> TransformerLM:
     """SmolLM2-135M's shapes with random weights (timing does not depend on the values)."""

@@ -28,6 +28,8 @@ Supported: MHA / GQA / MQA, CLA, and sliding-window layers held in a full static
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
@@ -41,14 +43,14 @@ MODES = ("graph", "compile", "eager")
 
 
 class _FixedStore:
-    """A StaticKVCache seen through a device-side position: write there, return all S_max slots."""
+    """A StaticKVCache seen through device-side steps: write there, return all S_max slots."""
 
-    def __init__(self, store: StaticKVCache, pos: Int[Tensor, " 1"]):
-        self.store, self.pos = store, pos
+    def __init__(self, store: StaticKVCache, steps: Int[Tensor, " T"]):
+        self.store, self.steps = store, steps
 
-    def update(self, k: Float[Tensor, "B K 1 H"], v: Float[Tensor, "B K 1 H"], start: int):
-        self.store.k.index_copy_(2, self.pos, k)
-        self.store.v.index_copy_(2, self.pos, v)
+    def update(self, k: Float[Tensor, "B K T H"], v: Float[Tensor, "B K T H"], start: int):
+        self.store.k.index_copy_(2, self.steps, k)
+        self.store.v.index_copy_(2, self.steps, v)
         return self.store.k, self.store.v, self.store.steps
 
 
@@ -58,42 +60,48 @@ class _FixedCache:
 
 
 class StaticDecodeStep:
-    """logits = model(ids, cache=cache) for one new token per row, with fixed shapes.
+    """logits = model(ids, cache=cache) for T new tokens per row (T = 1: a decode step), fixed shapes.
 
-    Write the inputs into `self.ids` [B, 1] and `self.pos` [1] (the step being decoded, = cache.pos),
-    call `forward()`; then advance cache.pos yourself (`FixedStep.__call__` does both).
+    Write the inputs into `self.ids` [B, T] and `self.pos` [1] (the first step being fed, = cache.pos),
+    call `forward()` -> [B, T, V]; then advance cache.pos yourself (`FixedStep.__call__` does both).
+    T > 1 is a verify pass of speculative decoding: the T queries see the cache and each other causally.
     """
 
-    def __init__(self, model, cache: KVCache):
+    def __init__(self, model, cache: KVCache, T: int = 1):
         for i, store in enumerate(cache.layers):
             if store is not None and not isinstance(store, StaticKVCache):
                 raise ValueError(
                     f"a fixed-shape decode step needs static KV caches; layer {i} has a "
                     f"{type(store).__name__} (ring caches and MLA are not supported)"
                 )
-        self.model, self.cache = model, cache
+        if T < 1:
+            raise ValueError(f"a fixed-shape step needs T >= 1 tokens, got {T}")
+        self.model, self.cache, self.T = model, cache, T
         device = model.embed.weight.device
         B = cache.layers[0].k.shape[0]
-        self.ids = torch.zeros(B, 1, dtype=torch.long, device=device)
+        self.ids = torch.zeros(B, T, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.offsets = torch.arange(T, device=device)
+        self.steps = torch.zeros(T, dtype=torch.long, device=device)  # pos + offsets, set by forward
         # a pad (zeros if none) makes ForwardContext build the causal mask, which hides unwritten slots
         self.pad = torch.zeros(B, dtype=torch.long, device=device) if cache.pad is None else cache.pad
         # a quantized output matrix: its layer, called directly (what F.linear(h, PackedWeight) does)
         w = model.vocab_weight
         self.head = w.layer if isinstance(w, PackedWeight) else None
-        self.view = _FixedCache([None if s is None else _FixedStore(s, self.pos) for s in cache.layers])
+        self.view = _FixedCache([None if s is None else _FixedStore(s, self.steps) for s in cache.layers])
 
-    def forward(self) -> Float[Tensor, "B V"]:
+    def forward(self) -> Float[Tensor, "B T V"]:
         model = self.model
-        positions = (self.pos[None] - self.pad[:, None]).clamp(min=0)
+        torch.add(self.pos, self.offsets, out=self.steps)
+        positions = (self.steps[None] - self.pad[:, None]).clamp(min=0)
         ctx = ForwardContext(
-            self.pos, 0, model.rope_cos[positions], model.rope_sin[positions], pad=self.pad, cache=self.view
+            self.steps, 0, model.rope_cos[positions], model.rope_sin[positions], pad=self.pad, cache=self.view
         )
         x = model.embed(self.ids)
         for block in model.layers:
             x = block(x, ctx)
         h = model.norm(x)
-        return (self.head(h) if self.head is not None else F.linear(h, model.vocab_weight))[:, -1]
+        return self.head(h) if self.head is not None else F.linear(h, model.vocab_weight)
 
 
 def _forward(step: StaticDecodeStep) -> Tensor:
@@ -101,6 +109,7 @@ def _forward(step: StaticDecodeStep) -> Tensor:
 
 
 _compiled_forward = None
+_settled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {T}: layouts planned
 
 
 def compiled_forward():
@@ -115,16 +124,17 @@ def compiled_forward():
 
 
 class FixedStep:
-    """`step(tokens [B]) -> logits [B, V]`: one decode step of the fixed-shape forward.
+    """`step(tokens) -> logits`: one fixed-shape forward of T tokens per row (T = 1: a decode step).
 
+    tokens [B] (T = 1) or [B, T]; logits [B, V] for T = 1, else [B, T, V].
     mode "graph" (CUDA only; the default there): recorded as a CUDA graph on the first call, replayed
     after; the logits tensor is the graph's own output buffer, overwritten by the next call (clone it
     to keep it). "compile" (CPU only): torch.compile'd on the first call. "eager" (the default on
     the CPU): the fixed-shape forward as it is. Each call copies the tokens and cache.pos into the
-    step's fixed inputs, runs, and advances cache.pos.
+    step's fixed inputs, runs, and advances cache.pos by T.
     """
 
-    def __init__(self, model, cache: KVCache, mode: str | None = None):
+    def __init__(self, model, cache: KVCache, mode: str | None = None, T: int = 1):
         device = model.embed.weight.device.type
         mode = mode or ("graph" if device == "cuda" else "eager")
         if mode not in MODES:
@@ -133,7 +143,7 @@ class FixedStep:
             raise ValueError(
                 f"mode {mode!r} runs on {'CUDA' if mode == 'graph' else 'the CPU'}, not {device}"
             )
-        self.step, self.cache, self.mode = StaticDecodeStep(model, cache), cache, mode
+        self.step, self.cache, self.mode, self.T = StaticDecodeStep(model, cache, T), cache, mode, T
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: Tensor | None = None
 
@@ -149,10 +159,11 @@ class FixedStep:
             self.logits = self.step.forward()
 
     @torch.inference_mode()
-    def __call__(self, tokens: Int[Tensor, " B"]) -> Float[Tensor, "B V"]:
-        if self.cache.pos >= self.cache.capacity:
-            raise ValueError(f"KV cache full: {self.cache.pos} + 1 tokens > capacity {self.cache.capacity}")
-        self.step.ids.copy_(tokens.reshape(-1, 1))
+    def __call__(self, tokens: Int[Tensor, " B"] | Int[Tensor, "B T"]) -> Tensor:
+        T = self.T
+        if self.cache.pos + T > self.cache.capacity:
+            raise ValueError(f"KV cache full: {self.cache.pos} + {T} tokens > capacity {self.cache.capacity}")
+        self.step.ids.copy_(tokens.reshape(-1, T))
         self.step.pos.fill_(self.cache.pos)
         if self.mode == "graph":
             if self.graph is None:
@@ -160,35 +171,81 @@ class FixedStep:
             self.graph.replay()
             logits = self.logits
         elif self.mode == "compile":
-            if self.graph is None:  # an eager call first: settles the fp32 layouts (kernels/layout.py)
+            done = _settled.setdefault(self.step.model, set())
+            if T not in done:  # an eager call first: settles the fp32 layouts (kernels/layout.py)
                 self.step.forward()
-                self.graph = True
+                done.add(T)
             logits = compiled_forward()(self.step)
         else:
             logits = self.step.forward()
-        self.cache.pos += 1
-        return logits
+        self.cache.pos += T
+        return logits[:, -1] if T == 1 else logits
+
+
+def fixed_capacity(n: int, max_seq_len: int, bucket: int = 256) -> int:
+    """n rounded up to a multiple of `bucket` (at most max_seq_len): the cache length of a fixed-shape
+    step. Compiled steps and CUDA graphs are specialised to it, so prompts of similar lengths share one.
+    """
+    if n > max_seq_len:
+        raise ValueError(f"{n} steps exceed the context window of {max_seq_len}")
+    return min(-(-n // bucket) * bucket, max_seq_len)
+
+
+class FixedShapes:
+    """A model called as `model(ids [1, T], cache=cache)` that runs fixed-shape steps on one cache
+    (speculative decoding's target): T = 1 runs the decode step, 1 < T <= T_max runs the T_max-token
+    step with the ids padded at the end (the padded positions' K/V land past cache.pos, where the
+    causal mask hides them until real tokens overwrite them), longer inputs (the prompt's prefill) run
+    the model eagerly. Raises ValueError (one line) for caches the fixed-shape step does not support.
+    """
+
+    def __init__(self, model, cache: KVCache, T_max: int, mode: str | None = None):
+        self.model, self.cache, self.T_max, self.mode = model, cache, T_max, mode
+        self.config, self.embed = model.config, model.embed
+        self.steps = {1: FixedStep(model, cache, mode, 1)}  # checks the cache and the mode
+
+    def __call__(self, ids: Int[Tensor, "1 T"], cache: KVCache, last_only: bool = False) -> Tensor:
+        if cache is not self.cache:
+            raise ValueError("a FixedShapes model runs the cache it was made with, not another")
+        T = ids.shape[1]
+        if T > self.T_max:
+            return self.model(ids, cache=cache, last_only=last_only)
+        size = 1 if T == 1 else self.T_max
+        if size not in self.steps:
+            self.steps[size] = FixedStep(self.model, cache, self.mode, size)
+        start = cache.pos
+        padded = ids if size == T else torch.cat([ids, ids.new_zeros(1, size - T)], dim=1)
+        logits = self.steps[size](padded)
+        cache.pos = start + T
+        return (logits[:, None] if size == 1 else logits[:, :T]).clone()
 
 
 @torch.inference_mode()
 def graph_generate(
-    model, prompt_ids: Int[Tensor, " P"], max_new_tokens: int, mode: str | None = None
+    model,
+    prompt_ids: Int[Tensor, " P"],
+    max_new_tokens: int,
+    mode: str | None = None,
+    stop_token_ids=(),
 ) -> Int[Tensor, " n"]:
     """Greedy decoding of one prompt with an eager prefill and a FixedStep decode step (mode: as
     FixedStep's; by default a CUDA graph on CUDA, the eager fixed-shape step on the CPU).
 
-    No stop tokens: exactly max_new_tokens tokens, the same as `generate(..., stop_token_ids=[])`.
+    Emits max_new_tokens tokens, or fewer when one of stop_token_ids (none by default) comes (it is
+    kept): the same tokens as greedy `generate(..., stop_token_ids=stop_token_ids)`.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = model.embed.weight.device
     ids = prompt_ids.to(device).reshape(1, -1)
-    cache = model.new_cache(1, ids.shape[1] + max_new_tokens)
+    cache = model.new_cache(1, fixed_capacity(ids.shape[1] + max_new_tokens, model.config.max_seq_len))
     token = model(ids, cache=cache, last_only=True)[:, -1].argmax(-1)
     out = torch.empty(max_new_tokens, dtype=torch.long, device=device)
     out[0] = token[0]
-    step = FixedStep(model, cache, mode)
-    for t in range(1, max_new_tokens):
+    stops = set(stop_token_ids)
+    step, n = FixedStep(model, cache, mode), 1
+    while n < max_new_tokens and not (stops and int(token[0]) in stops):
         token = step(token).argmax(-1)
-        out[t] = token[0]
-    return out
+        out[n] = token[0]
+        n += 1
+    return out[:n]
