@@ -11,7 +11,8 @@ stdout gets the generated text only; stderr gets the statistics: prompt and gene
 time to first token (TTFT: tokenize + prefill + first sample) and decode speed (tokens/s after the
 first token). With --draft (a model, or "ngram" for prompt lookup) the target is decoded speculatively,
 drafting --speculate-k tokens per round; stderr then also reports the acceptance rate alpha and the
-tokens per target pass. --json prints one JSON object (text, token ids, statistics) on stdout instead.
+tokens per target pass; --compile runs the target's steps compiled (kernels/graphs.py), where a verify
+pass of k + 1 tokens costs little more than one step. --json prints one JSON object (text, token ids, statistics) on stdout instead.
 Bad arguments exit with status 2 and one line on stderr.
 """
 
@@ -58,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft", help='speculative decoding: a draft model (as --model) or "ngram" (prompt lookup)'
     )
     p.add_argument("--speculate-k", type=int, default=4, help="tokens drafted per round (>= 1, with --draft)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="with --draft: the target runs as torch.compile'd fixed-shape steps of 1 and k+1 tokens "
+        "(CPU; compiling takes minutes the first time, cached after)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (text + statistics) on stdout")
     return p
 
@@ -74,6 +81,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.speculate_k < 1:
         raise UsageError(f"--speculate-k must be >= 1, got {args.speculate_k}")
+    if args.compile and args.draft is None:
+        raise UsageError("--compile compiles speculative decoding's target steps: use it with --draft")
     if args.draft is not None and args.no_cache:
         raise UsageError("--draft needs the KV cache (speculative decoding rolls it back); drop --no-cache")
     if args.draft is not None and args.draft != "ngram" and not Path(args.draft).expanduser().exists():
@@ -193,6 +202,13 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"the prompt ({len(prompt_ids)} tokens) + --speculate-k exceeds the window {window}"
             )
+        if args.compile:
+            from cs336_inference.kernels.graphs import FixedStep
+
+            try:  # the fixed-shape step supports static caches only: say so before decoding
+                FixedStep(model, model.new_cache(1, 1), "compile")
+            except ValueError as e:
+                raise UsageError(f"--compile: {e}") from None
         spec_stats = SpeculativeStats(k=args.speculate_k)
         tokens = speculative_stream(
             model,
@@ -203,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
             **sampling,
             stop_token_ids=stop_ids,
             stats=spec_stats,
+            step_mode="compile" if args.compile else None,
         )
     for token_id in tokens:
         t_last = time.perf_counter()
