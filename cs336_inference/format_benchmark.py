@@ -35,7 +35,8 @@ T_SIZES = (1, 2, 5, 9, 17)
 LLAMA_CPP_TYPES = {"fp32": "f32", "q8_0": "q8_0", "q4_0": "q4_0"}
 LLAMA_CPP_HINT = (
     "llama.cpp skipped: llama-cpp-python is not installed (no binary wheel on PyPI: "
-    "`pip install llama-cpp-python` compiles llama.cpp, a few minutes with cmake and a C++ compiler)"
+    "`pip install llama-cpp-python` compiles llama.cpp, about 15 minutes on 2 cores with cmake and a C++ "
+    "compiler; on a CPU with AMX, build it without AMX, see the README's 'Decode kernels')"
 )
 
 
@@ -110,8 +111,9 @@ def hf_decode_seconds(hf, prompt: torch.Tensor, n: int) -> float:
     return (run(n + 1) - run(1)) / n
 
 
-def load_llama_cpp(model: TransformerLM, qtype: str, workdir: Path, log: Log):
-    """A llama_cpp.Llama on our own GGUF export of `model` in qtype, or None (llama-cpp-python missing)."""
+def load_llama_cpp(model: TransformerLM, qtype: str, workdir: Path, log: Log, gguf_source=None):
+    """A llama_cpp.Llama on our own GGUF export of `model` in qtype (its tokenizer copied from the GGUF
+    `gguf_source`: llama.cpp refuses a file without one), or None (llama-cpp-python missing)."""
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -119,7 +121,7 @@ def load_llama_cpp(model: TransformerLM, qtype: str, workdir: Path, log: Log):
     from .checkpoint import save_gguf
 
     path = workdir / f"model-{qtype}.gguf"
-    save_gguf(model, path, qtype=qtype)
+    save_gguf(model, path, qtype=qtype, source=gguf_source)
     log(f"  llama.cpp: {path.name}")
     return Llama(str(path), n_ctx=512, n_threads=torch.get_num_threads(), verbose=False)
 
@@ -145,12 +147,14 @@ def format_benchmark(
     log: Log = lambda msg: None,
     quantize_head: bool = False,
     compiled: bool = False,
+    gguf_source=None,
 ) -> dict:
     """The interleaved comparison (module docstring) as a JSON-ready dict.
 
     quantize_head: the quantized formats store the output matrix (the tied embedding) in their
     format too (as llama.cpp's files do); otherwise it stays float32, a quarter of the int8 model's
-    bytes per step."""
+    bytes per step. gguf_source: the GGUF file the model came from (llama.cpp's rows take its tokenizer;
+    without one they are skipped)."""
     from . import kernels
     from .quantization import quantize_model
 
@@ -169,10 +173,12 @@ def format_benchmark(
     if hf is not None:
         contenders["transformers fp32"] = lambda: hf_decode_seconds(hf, prompt, new_tokens)
     llama_note = None
+    if llama_cpp and gguf_source is None:
+        llama_cpp, llama_note = False, "llama.cpp skipped: it needs the model as a GGUF file (for its tokenizer)"
     with tempfile.TemporaryDirectory() as tmp:
         if llama_cpp:
             for fmt, qtype in LLAMA_CPP_TYPES.items():
-                llm = load_llama_cpp(model, qtype, Path(tmp), log)
+                llm = load_llama_cpp(model, qtype, Path(tmp), log, gguf_source)
                 if llm is None:
                     llama_note = LLAMA_CPP_HINT
                     break

@@ -99,6 +99,7 @@ def run_formats(args: argparse.Namespace, model, source: Path, prompt: torch.Ten
         log=log,
         quantize_head=args.quantize_head,
         compiled=args.compiled,
+        gguf_source=source if source.suffix == ".gguf" else None,
     )
     result["table"] = fb.format_table(result)
     if args.png:

@@ -300,3 +300,32 @@ def test_smollm2_answers_paris(smollm2):
     answer = tok.decode(ids[len(tok.encode(prompt)) :], skip_special_tokens=True)
     assert "Paris" in answer, answer
     assert time.time() - start < 20
+
+
+def test_llama_cpp_decodes_our_f32_export_into_our_tokens(tmp_path):
+    """llama.cpp (an implementation nobody here wrote; optional, `pip install llama-cpp-python`) reads
+    the f32 GGUF we export of SmolLM2 (tokenizer copied from the source file) and decodes greedily the
+    tokens our model decodes: the export is the benchmark's llama.cpp row's input."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional)")
+    from llama_cpp import Llama
+
+    from cs336_inference.checkpoint import save_gguf
+    from cs336_inference.sampling import generate
+
+    try:
+        source = default_model_path()
+    except CheckpointError as e:
+        pytest.skip(str(e))
+    ours = load_pretrained(source)
+    save_gguf(ours, tmp_path / "f32.gguf", qtype="f32", source=source)
+    llm = Llama(str(tmp_path / "f32.gguf"), n_ctx=128, n_threads=torch.get_num_threads(), verbose=False)
+    from cs336_inference.tokenizer import load_tokenizer
+
+    prompt = load_tokenizer(source).encode("The three largest cities of France are", add_special_tokens=False)
+    llm.eval(prompt)
+    theirs = []
+    for _ in range(16):
+        theirs.append(llm.sample(temp=0.0))
+        llm.eval([theirs[-1]])
+    expected = generate(ours, torch.tensor(prompt), 16, stop_token_ids=[]).tolist()
+    assert theirs == expected, f"llama.cpp {theirs} vs ours {expected}"
