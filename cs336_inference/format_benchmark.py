@@ -174,7 +174,10 @@ def format_benchmark(
         contenders["transformers fp32"] = lambda: hf_decode_seconds(hf, prompt, new_tokens)
     llama_note = None
     if llama_cpp and gguf_source is None:
-        llama_cpp, llama_note = False, "llama.cpp skipped: it needs the model as a GGUF file (for its tokenizer)"
+        llama_cpp, llama_note = (
+            False,
+            "llama.cpp skipped: it needs the model as a GGUF file (for its tokenizer)",
+        )
     with tempfile.TemporaryDirectory() as tmp:
         if llama_cpp:
             for fmt, qtype in LLAMA_CPP_TYPES.items():
