@@ -169,6 +169,20 @@ def test_speculative_decoding_through_fixed_shape_steps_is_greedy_generate(varia
             )
 
 
+def test_sampled_speculative_decoding_through_fixed_steps_draws_what_the_eager_target_draws():
+    """At temperature 1 with top-p and a seed, the fixed-shape target consumes the same random draws
+    on (to rounding) the same distributions as the model's own forward: the same tokens."""
+    from cs336_inference.speculative import speculative_generate
+
+    model = tiny("gqa")
+    base = torch.randint(0, 64, (10,), generator=torch.Generator().manual_seed(3))
+    prompt = torch.cat([base, base])
+    settings = dict(k=3, temperature=1.0, top_p=0.9, seed=7, stop_token_ids=[])
+    expected = speculative_generate(model, "ngram", prompt, 30, **settings)
+    got = speculative_generate(model, "ngram", prompt, 30, step_mode="eager", **settings)
+    assert got.tolist() == expected.tolist()
+
+
 def test_compiled_speculative_decoding_is_greedy_generate():
     """The compiled 1- and (k+1)-token steps (CPU) give greedy generate's tokens."""
     from cs336_inference.kernels import build
