@@ -8,7 +8,8 @@ never change, which the eager step is not: the cache returns a slice that grows 
 step, and the position is a Python int.
 
 `StaticDecodeStep` is the same forward with both moved to the device:
-- the position is a [1] tensor; each layer writes its new K/V with `index_copy_` at that position;
+- the position is a [1] tensor; each layer writes its new K/V with `index_copy_` at that position
+  (positions pos..pos+T-1 for T tokens);
 - attention reads the whole preallocated cache (S_max keys); the slots not written yet hold steps
   greater than the query's, so the causal mask (`attention_mask`) hides them.
 It calls the model's own blocks (the student's attention, RoPE, norms, MLP), so its output equals
@@ -21,6 +22,10 @@ whole step as one graph (fullgraph, no recompiles as the cache grows) and fuse i
 ops (norms, rotary, masks, softmax, residual adds) into a few dozen loops; the C kernels stay opaque
 calls (kernels/ops.py). `FixedStep(..., mode="compile")`; compiling SmolLM2's step takes about two
 minutes on 2 cores, once per process and shape.
+
+The same step takes T tokens per row (`T=`): speculative decoding's verify pass of k + 1 tokens.
+`FixedShapes` serves a model call of any length from two fixed steps (1 and k + 1 tokens, shorter
+drafts padded) and is what `speculative_generate(..., step_mode=...)` runs as the target.
 
 Supported: MHA / GQA / MQA, CLA, and sliding-window layers held in a full static cache; ring caches
 (a window smaller than the cache) and MLA are not (a ValueError says so).
