@@ -270,7 +270,7 @@ def test_a_bf16_quantized_model_decodes_in_the_fixed_shape_step():
     assert graph_generate(model, prompt, 12).tolist() == expected.tolist()
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "int8", "q4_0"])
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "q4_0", "llm_int8"])
 def test_the_compiled_cpu_step_equals_the_cached_forward(fmt):
     """torch.compile of the fixed-shape step (one graph; the C kernels as opaque custom ops) against
     the eager cached forward: logits to float32 rounding (the compiler fuses and reorders the small

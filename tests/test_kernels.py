@@ -162,6 +162,70 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kernels_on, name, d_out
             torch.set_num_threads(threads)
 
 
+def llm_int8_layer(d_out: int, d_in: int, threshold: float, bias: bool = True):
+    from cs336_inference.quantization.llm_int8 import LLMInt8Linear
+
+    g = torch.Generator().manual_seed(d_out * 1000 + d_in)
+    w, b = torch.randn(d_out, d_in, generator=g), torch.randn(d_out, generator=g) if bias else None
+    q = QuantizedLinear.from_weight(w, "int8", bias=b)
+    return LLMInt8Linear("int8", d_in, d_out, q.stored(), None, q.bias, threshold=threshold)
+
+
+def llm_int8_reference(layer, x):
+    """What LLMInt8Linear.forward computes without the kernel: the graded llm_int8_matmul, + bias."""
+    from cs336_inference.quantization.llm_int8 import llm_int8_matmul
+
+    y = llm_int8_matmul(x, layer.qweight, layer.scale, layer.threshold)
+    return y if layer.bias is None else y + layer.bias
+
+
+@pytest.mark.parametrize("threshold", [float("inf"), 6.0], ids=["w8a8", "llm_int8"])
+@pytest.mark.parametrize(("d_out", "d_in"), [(37, 70), (33, 64), (9, 200), (5, 1)])
+def test_the_int8_activation_kernel_gives_llm_int8s_numbers_bit_for_bit(kernels_on, threshold, d_out, d_in):
+    """cs336_w8a8 (activations quantized per row, an exact int32 product, the same rescaling) equals
+    llm_int8_matmul exactly: 1..17 and 32 rows, widths that are not whole 64-byte vectors, strided and
+    transposed x, rows of zeros, and (threshold 6) outlier features planted in some calls."""
+    for bias in (True, False):
+        layer = llm_int8_layer(d_out, d_in, threshold, bias)
+        with torch.inference_mode():
+            for M in [*range(1, 18), 32]:
+                for layout in ("contiguous", "strided_rows", "transposed"):
+                    x = inputs(M, d_in, layout, seed=M) * 2
+                    if M % 3 == 0:
+                        x[..., 0, :] = 0  # a row of zeros: scale 0, output = bias
+                    if M % 2 and d_in > 3:
+                        x[..., 3] = 9.0  # an outlier feature (threshold 6)
+                    what = f"{d_out}x{d_in} threshold={threshold} bias={bias} M={M} {layout} x"
+                    direct = kernels.llm_int8_linear(layer, x)
+                    assert direct is not None, f"{what}: the kernel declined"
+                    expected = llm_int8_reference(layer, x)
+                    assert torch.equal(direct, expected), (
+                        f"{what}: differs from llm_int8_matmul by up to {(direct - expected).abs().max():.3g}"
+                    )
+                    assert torch.equal(layer(x), direct), f"{what}: the layer did not use the kernel"
+            assert kernels.llm_int8_linear(layer, torch.randn(kernels.MAX_ROWS + 1, d_in)) is None
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_the_int8_activation_kernel_without_vnni_gives_the_same_bits(monkeypatch, march):
+    """The plain C int32 loop (CPUs without AVX512-VNNI) equals llm_int8_matmul exactly too."""
+    monkeypatch.delenv("CS336_KERNELS", raising=False)
+    monkeypatch.setenv("CS336_KERNELS_MARCH", march)
+    build.reset()
+    try:
+        if build.library() is None:
+            pytest.skip(f"could not build for -march={march} here")
+        layer = llm_int8_layer(37, 70, float("inf"))
+        with torch.inference_mode():
+            for M in (1, 5, 17):
+                x = inputs(M, 70, "contiguous", seed=M)
+                assert torch.equal(kernels.llm_int8_linear(layer, x), llm_int8_reference(layer, x)), (
+                    f"-march={march}, M={M}"
+                )
+    finally:
+        build.reset()
+
+
 def test_prefill_and_autograd_stay_on_the_pytorch_path(kernels_on):
     layer, _, _, _ = make_layer("int8", 37, 70, None)
     x = torch.randn(kernels.MAX_ROWS + 1, 70)
@@ -220,7 +284,7 @@ def test_a_failed_build_is_one_line_on_stderr_and_the_model_still_runs(monkeypat
 
 def test_greedy_tokens_of_a_tiny_model_with_and_without_kernels(monkeypatch):
     prompt = torch.tensor([5, 7, 11, 13, 2])
-    for method in (None, "int8", "int4", "q4_1"):
+    for method in (None, "int8", "int4", "q4_1", "llm_int8", "w8a8"):
         model = tiny_model(1)
         model = (
             model

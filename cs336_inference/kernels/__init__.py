@@ -10,7 +10,8 @@ result bitwise independent of how many rows share the call.
 build.py    compiles decode.c on first use (gcc -O3 -march=native -fopenmp, ~1-7 s), cached; loads it
             with ctypes. No compiler, a failed build or CS336_KERNELS=0: the PyTorch path runs
             (a failed build says so once on stderr).
-decode.c    the kernels: fp32 (row- or column-major), int8, int4, Q8_0, Q4_0, Q4_1
+decode.c    the kernels: fp32 (row- or column-major), int8, int4, Q8_0, Q4_0, Q4_1 weights times float
+            activations; int8 x int8 (llm_int8 / w8a8: activations quantized per row, AVX512-VNNI)
 ops.py      argument checks and calls (None when a call is not one the kernels handle)
 layout.py   the fp32 path of layers.Linear: layout and product chosen per shape by measurement
 graphs.py   the decode step with fixed shapes: replayed as a CUDA graph on a GPU, torch.compile'd on
@@ -24,8 +25,17 @@ Prefill (more than 32 rows) stays on BLAS. 32 covers a speculative verification 
 
 from .build import enabled, library
 from .layout import decode_linear
-from .ops import MAX_ROWS, linear_fp32, quantized_linear
+from .ops import MAX_ROWS, linear_fp32, llm_int8_linear, quantized_linear
 
 QUANTIZED = {fmt: quantized_linear for fmt in ("int8", "int4", "q8_0", "q4_0", "q4_1")}
 
-__all__ = ["MAX_ROWS", "QUANTIZED", "decode_linear", "enabled", "library", "linear_fp32", "quantized_linear"]
+__all__ = [
+    "MAX_ROWS",
+    "QUANTIZED",
+    "decode_linear",
+    "enabled",
+    "library",
+    "linear_fp32",
+    "llm_int8_linear",
+    "quantized_linear",
+]

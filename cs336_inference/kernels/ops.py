@@ -145,3 +145,46 @@ def _quantized_op(
 @_quantized_op.register_fake
 def _(x, q, scale, zero, bias, fmt: int, d_out: int) -> Tensor:
     return x.new_empty(*x.shape[:-1], d_out)
+
+
+def llm_int8_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"] | None:
+    """LLMInt8Linear's forward (llm_int8 / w8a8) with its int8 x int8 product in `cs336_w8a8`
+    (AVX512-VNNI where the CPU has it): the same numbers as llm_int8_matmul + bias, bit for bit."""
+    lib = build.library()
+    q, bias = layer.qweight, layer.bias
+    if lib is None or q.device.type != "cpu" or (bias is not None and bias.dtype != torch.float32):
+        return None
+    if _rows(x, layer.d_in, False) is None:
+        return None
+    if torch.compiler.is_compiling():
+        return torch.ops.cs336.llm_int8(x, q, layer.scale, bias, float(layer.threshold))
+    return _llm_int8_call(lib, x, q, layer.scale, bias, float(layer.threshold))
+
+
+def _llm_int8_call(lib, x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None, threshold: float) -> Tensor:
+    """llm_int8_matmul's steps (quantization/llm_int8.py), its int8 product in C: the outlier
+    features (|x| >= threshold in some row) are zeroed for the int8 product and added in float."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    M, d_in, d_out = x2.shape[0], x2.shape[1], q.shape[0]
+    outliers = (x2.abs() >= threshold).any(dim=0) if threshold != float("inf") else None
+    if outliers is not None and not outliers.any():
+        outliers = None
+    xq = x2 if outliers is None else x2.masked_fill(outliers, 0)
+    y = torch.empty(M, d_out)
+    b = bias.data_ptr() if bias is not None and outliers is None else None  # else added after, as there
+    lib.cs336_w8a8(xq.data_ptr(), M, d_in, d_in, q.data_ptr(), scale.data_ptr(), d_out, b, y.data_ptr(),
+                   torch.get_num_threads())  # fmt: skip
+    if outliers is not None:
+        y = y + x2[:, outliers] @ (q[:, outliers].float() * scale[:, None]).t()
+        y = y if bias is None else y + bias
+    return y.reshape(*x.shape[:-1], d_out)
+
+
+@torch.library.custom_op("cs336::llm_int8", mutates_args=())
+def _llm_int8_op(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None, threshold: float) -> Tensor:
+    return _llm_int8_call(build.library(), x, q, scale, bias, threshold)
+
+
+@_llm_int8_op.register_fake
+def _(x, q, scale, bias, threshold: float) -> Tensor:
+    return x.new_empty(*x.shape[:-1], q.shape[0])

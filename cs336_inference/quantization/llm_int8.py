@@ -25,6 +25,7 @@ import torch
 from jaxtyping import Float, Int8, Int32
 from torch import Tensor
 
+from cs336_inference import kernels as decode_kernels
 from cs336_inference.quantization.linear import QuantizedLinear
 
 DEFAULT_THRESHOLD = 6.0
@@ -37,7 +38,8 @@ def int8_mm(a: Int8[Tensor, "T I"], b: Int8[Tensor, "I O"]) -> Int32[Tensor, "T 
     done in float64, which is exact here (every partial sum is an integer below 2^53).
     """
     (T, inner), d_out = a.shape, b.shape[1]
-    if a.device.type == "cpu" or (T > 16 and inner % 8 == 0 and d_out % 8 == 0):
+    # (torch._int_mm on the CPU returns garbage for an inner size of 1: torch 2.13, measured)
+    if (a.device.type == "cpu" and inner > 1) or (T > 16 and inner % 8 == 0 and d_out % 8 == 0):
         return torch._int_mm(a, b)
     return (a.double() @ b.double()).to(torch.int32)
 
@@ -91,9 +93,13 @@ class LLMInt8Linear(QuantizedLinear):
         return cls("int8", q.d_in, q.d_out, q.stored(), None, q.bias, threshold=threshold)
 
     def _fast_forward(self, x: Tensor) -> Tensor | None:
-        return None  # int8 kernels are for weight-only formats; this layer's product is already int8
+        """The decode kernel (kernels.llm_int8_linear: the same numbers, its int8 product in C), or None."""
+        return decode_kernels.llm_int8_linear(self, x)
 
     def forward(self, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"]:
+        y = self._fast_forward(x)
+        if y is not None:
+            return y
         y = llm_int8_matmul(x, self.qweight, self.scale, self.threshold)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
