@@ -243,19 +243,6 @@ static inline __attribute__((always_inline)) void block(const Weight *W, int fmt
     } else if (fmt == FMT_INT4) { /* 16 bytes: weights i, i + 1, ... as (low, high) nibble pairs */
         i64 g = o * W->groups + (i >> W->gshift);
         vf z = vsplat((float)W->zero[g]), sc = vsplat(half_to_float(W->scale16[g])), lo, hi;
-#if VL == 16
-        /* a 16-entry table of the group's 16 values, looked up by nibble (vpermps reads the low 4 bits
-           of each index): byte k of 8 is repeated, widened, and shifted right by 0 or 4 */
-        vf lut = ((vf)_mm512_cvtepi32_ps(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)) - z) * sc;
-        const __m128i twice = _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-        const __m512i shift = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
-        for (int c = 0; c < 2; c++) {
-            __m128i b = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)(row + i / 2 + 8 * c)), twice);
-            __m512i idx = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(b), shift);
-            w[c] = (vf)_mm512_permutexvar_ps(idx, (__m512)lut);
-        }
-        return;
-#endif
         for (int c = 0; c < 32 / VL; c += 2) {
             nibbles(row + i / 2 + c * VL / 2, &lo, &hi);
             lo = (lo - z) * sc, hi = (hi - z) * sc;
@@ -297,6 +284,24 @@ static int fused_ok(const Weight *W, i64 I) {
     return W->fmt != FMT_INT4 || (W->gshift >= 5 && (I / W->groups) == ((i64)1 << W->gshift));
 }
 
+#if VL == 16
+/* int4 with AVX-512: a 16-entry table of the group's 16 values (q - zero) * scale, made once per group
+   and row, looked up by nibble (vpermps reads the low 4 bits of each index). The 16 low nibbles of
+   a 32-block are weights i, i + 2, ..., i + 30 and the high ones i + 1, ..., i + 31; x comes
+   de-interleaved to match (`int4_x_order`). */
+static inline vf int4_lut(const Weight *W, i64 o, i64 i) {
+    i64 g = o * W->groups + (i >> W->gshift);
+    vf k = (vf)_mm512_cvtepi32_ps(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    return (k - vsplat((float)W->zero[g])) * vsplat(half_to_float(W->scale16[g]));
+}
+
+static inline void int4_lookup(const uint8_t *row, i64 i, vf lut, vf w[2]) {
+    __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + i / 2)));
+    w[0] = (vf)_mm512_permutexvar_ps(idx, (__m512)lut);
+    w[1] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), (__m512)lut);
+}
+#endif
+
 /* ------------------------------------------------------------------ a tile: 4 weight rows x R rows
 
    s[r][j] = w_j . x[r] for R <= 4 rows of x and the weight rows oj[0..3]: one vector accumulator
@@ -326,6 +331,23 @@ static inline __attribute__((always_inline)) void tile(const Weight *W, int fmt,
                 a[r][3] = vfma(w3, xv, a[r][3]);
             }
         }
+#if VL == 16
+    } else if (fmt == FMT_INT4) { /* a group at a time: its 4 tables, then its 32-blocks */
+        for (i64 g0 = 0; g0 < I; g0 += (i64)1 << W->gshift) {
+            vf lut[4];
+            for (int j = 0; j < 4; j++) lut[j] = int4_lut(W, oj[j], g0);
+            for (; i < g0 + ((i64)1 << W->gshift); i += 32) {
+                vf w[4][2];
+                for (int j = 0; j < 4; j++) __builtin_prefetch(row[j] + i / 2 + ahead);
+                for (int j = 0; j < 4; j++) int4_lookup(row[j], i, lut[j], w[j]);
+                for (int c = 0; c < 2; c++)
+                    for (int r = 0; r < R; r++) {
+                        vf xv = vload(x + r * ldx + i + c * VL);
+                        for (int j = 0; j < 4; j++) a[r][j] = vfma(w[j][c], xv, a[r][j]);
+                    }
+            }
+        }
+#endif
     } else { /* block formats: 32 weights at a time (I is a multiple of 32), the same order */
         for (; i + 32 <= I; i += 32) {
             vf w[4][32 / VL];
@@ -371,6 +393,21 @@ static void tile_any(const Weight *W, const i64 oj[4], const float *xm, i64 ldx,
     }
 }
 
+/* With AVX-512, int4 rows are decoded as (even weights, odd weights) of each 32-block (`block`), so
+   x is copied in that order once per call: x'[32b + k] = x[32b + 2k], x'[32b + 16 + k] = x[32b + 2k + 1] */
+static int int4_x_order(const Weight *W, i64 I) { return VL == 16 && W->fmt == FMT_INT4 && fused_ok(W, I); }
+
+static float *deinterleave_x(const float *x, i64 M, i64 I, i64 ldx) {
+    float *xp = (float *)malloc(sizeof(float) * (size_t)(M * I));
+    for (i64 m = 0; m < M; m++)
+        for (i64 b = 0; b < I; b += 32)
+            for (int k = 0; k < 16; k++) {
+                xp[m * I + b + k] = x[m * ldx + b + 2 * k];
+                xp[m * I + b + 16 + k] = x[m * ldx + b + 2 * k + 1];
+            }
+    return xp;
+}
+
 /* y[m, o] = (x[m] . W[o]) (* scale[o] for int8) (+ bias[o]) for the row-major formats: OpenMP over
    tiles of 4 output rows, every group of 4 x rows against a tile's weights decoded in registers
    (int4 with groups that are not whole vectors: dequantized once into an L1 buffer instead, which
@@ -379,6 +416,8 @@ static void rowmajor_mm(const Weight *W, const float *x, i64 M, i64 I, i64 ldx, 
                         float *y, int threads) {
     i64 tiles = (O + 3) / 4;
     int fused = fused_ok(W, I);
+    float *xp = int4_x_order(W, I) ? deinterleave_x(x, M, I, ldx) : NULL;
+    if (xp) x = xp, ldx = I;
 #pragma omp parallel num_threads(threads)
     {
         float *buf = fused ? NULL : (float *)malloc(sizeof(float) * (size_t)(4 * I + VL));
@@ -406,6 +445,7 @@ static void rowmajor_mm(const Weight *W, const float *x, i64 M, i64 I, i64 ldx, 
         }
         free(buf);
     }
+    free(xp);
 }
 
 /* ------------------------------------------------------------------ entry points (ctypes) */

@@ -5,7 +5,7 @@ built and the call is a decode shape they handle: float32 x on the CPU with 1..M
 autograd graph to build. The checks are kept cheap: a decode step of SmolLM2 makes 211 calls.
 
 Under torch.compile (kernels/graphs.py compiles the fixed-shape decode step) the same calls go
-through the custom ops `cs336::linear_f32` and `cs336::quantized`, which the compiler keeps as
+through the ops `cs336::linear_f32`, `cs336::quantized` and `cs336::llm_int8`, which the compiler keeps as
 opaque calls (ctypes and data pointers cannot be traced); eagerly the C function is called directly,
 since a custom op's dispatch costs more than the call itself.
 """
@@ -69,13 +69,24 @@ def linear_fp32(
     return y
 
 
-@torch.library.custom_op("cs336::linear_f32", mutates_args=())
+# The ops a compiled step calls (kernels/graphs.py), registered with the low-level torch.library API:
+# torch.library.custom_op would add an autograd layer to every call (about 8 us of the ~30 us a call
+# costs, measured), and these run only under inference mode. Each has a fake (shape-only) version
+# for the compiler's tracing.
+_LIB = torch.library.Library("cs336", "DEF")
+_LIB.define("linear_f32(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIB.define(
+    "quantized(Tensor x, Tensor q, Tensor? scale, Tensor? zero, Tensor? bias, int fmt, int d_out) -> Tensor"
+)
+_LIB.define("llm_int8(Tensor x, Tensor q, Tensor scale, Tensor? bias, float threshold) -> Tensor")
+
+
 def _linear_f32_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     y = linear_fp32(x, weight, bias)
     return F.linear(x, weight, bias) if y is None else y
 
 
-@_linear_f32_op.register_fake
+@torch.library.register_fake("cs336::linear_f32")
 def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
@@ -134,7 +145,6 @@ FORMAT_CODES = {"int8": 1, "int4": 2, **GGML}
 _FORMAT_NAMES = {code: name for name, code in FORMAT_CODES.items()}
 
 
-@torch.library.custom_op("cs336::quantized", mutates_args=())
 def _quantized_op(
     x: Tensor, q: Tensor, scale: Tensor | None, zero: Tensor | None, bias: Tensor | None, fmt: int, d_out: int
 ) -> Tensor:
@@ -142,7 +152,7 @@ def _quantized_op(
     return _quantized_call(build.library(), rows, x, q, scale, zero, bias, _FORMAT_NAMES[fmt], d_out)
 
 
-@_quantized_op.register_fake
+@torch.library.register_fake("cs336::quantized")
 def _(x, q, scale, zero, bias, fmt: int, d_out: int) -> Tensor:
     return x.new_empty(*x.shape[:-1], d_out)
 
@@ -180,11 +190,15 @@ def _llm_int8_call(lib, x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None
     return y.reshape(*x.shape[:-1], d_out)
 
 
-@torch.library.custom_op("cs336::llm_int8", mutates_args=())
 def _llm_int8_op(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None, threshold: float) -> Tensor:
     return _llm_int8_call(build.library(), x, q, scale, bias, threshold)
 
 
-@_llm_int8_op.register_fake
+@torch.library.register_fake("cs336::llm_int8")
 def _(x, q, scale, bias, threshold: float) -> Tensor:
     return x.new_empty(*x.shape[:-1], q.shape[0])
+
+
+_LIB.impl("linear_f32", _linear_f32_op, "CPU")
+_LIB.impl("quantized", _quantized_op, "CPU")
+_LIB.impl("llm_int8", _llm_int8_op, "CPU")
