@@ -16,7 +16,13 @@
    (q - 8) * d for Q4_0, d * q + m for Q4_1 (two roundings: compiled with -ffp-contract=off),
    (q - zero) * scale for int4; int8 multiplies the row's dot product of q by its scale instead.
    With AVX-512 the 4-bit formats look their values up in a 16-entry table per block or group
-   (vpermps), which costs two instructions per 16 weights instead of five.
+   (vpermps), which costs two instructions per 16 weights instead of five; int4 takes the (low, high)
+   nibbles of a 32-block as (even, odd) weights and multiplies them with a copy of x de-interleaved
+   once per call, and builds its table once per group. Every row tile prefetches the weight rows two
+   tiles ahead (the hardware prefetcher alone left a core at about half of its read bandwidth).
+
+   llm_int8 / w8a8 layers (int8 weights times int8 activations, quantized per row) have their own
+   kernel at the end of the file: exact int32 products with AVX512-VNNI.
 
    The column-major fp32 kernel (W^T stored [I, O], how layers.Linear keeps its weight) adds
    x[m, i] * W^T[i, o0:o0+32] into 32-wide tiles of y in input order (one fma chain per output).
