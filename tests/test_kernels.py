@@ -117,28 +117,32 @@ def test_forward_equals_the_reference_for_1_to_32_rows(request, mode, name, d_ou
                     assert torch.equal(direct, y), f"{what}: the layer did not use the kernel"
 
 
-@pytest.mark.parametrize("march", ["haswell", "x86-64"])
-def test_the_avx2_and_plain_c_builds_equal_the_reference(monkeypatch, march):
-    """The same source compiled for an AVX2 CPU (8 lanes) and for plain x86-64 (4 lanes, no
-    intrinsics), on whatever CPU runs the tests: every format, 1, 3, 5 and 17 rows, bitwise row
-    independence."""
+@pytest.fixture(params=["haswell", "x86-64"])
+def march(request, monkeypatch):
+    """The kernels built for an AVX2 CPU (8 lanes) or plain x86-64 (4 lanes, no intrinsics), on
+    whatever CPU runs the tests; the normal build again afterwards."""
     monkeypatch.delenv("CS336_KERNELS", raising=False)
-    monkeypatch.setenv("CS336_KERNELS_MARCH", march)
+    monkeypatch.setenv("CS336_KERNELS_MARCH", request.param)
     build.reset()
-    try:
-        if build.library() is None:
-            pytest.skip(f"could not build for -march={march} here")
-        with torch.inference_mode():
-            for name, d_out, d_in, group_size in CASES:
-                _, kernel, w64, b64 = make_layer(name, d_out, d_in, group_size)
-                x = inputs(17, d_in, "contiguous", seed=3)
-                full = kernel(x)
-                assert full is not None, f"{name} ({march}): the kernel declined"
-                assert_close_to_reference(full, x, w64, b64, f"{name} ({march}), 17 rows")
-                for M in (1, 3, 5):
-                    assert torch.equal(kernel(x[:, :M]), full[:, :M]), f"{name} ({march}): {M} rows differ"
-    finally:
+    if build.library() is None:
         build.reset()
+        pytest.skip(f"could not build for -march={request.param} here")
+    yield request.param
+    build.reset()
+
+
+def test_the_avx2_and_plain_c_builds_equal_the_reference(march):
+    """The same source compiled for AVX2 and for plain x86-64: every format, 1, 3, 5 and 17 rows,
+    bitwise row independence."""
+    with torch.inference_mode():
+        for name, d_out, d_in, group_size in CASES:
+            _, kernel, w64, b64 = make_layer(name, d_out, d_in, group_size)
+            x = inputs(17, d_in, "contiguous", seed=3)
+            full = kernel(x)
+            assert full is not None, f"{name} ({march}): the kernel declined"
+            assert_close_to_reference(full, x, w64, b64, f"{name} ({march}), 17 rows")
+            for M in (1, 3, 5):
+                assert torch.equal(kernel(x[:, :M]), full[:, :M]), f"{name} ({march}): {M} rows differ"
 
 
 @pytest.mark.parametrize(("name", "d_out", "d_in", "group_size"), CASES, ids=IDS)
@@ -206,24 +210,15 @@ def test_the_int8_activation_kernel_gives_llm_int8s_numbers_bit_for_bit(kernels_
             assert kernels.llm_int8_linear(layer, torch.randn(kernels.MAX_ROWS + 1, d_in)) is None
 
 
-@pytest.mark.parametrize("march", ["haswell", "x86-64"])
-def test_the_int8_activation_kernel_without_vnni_gives_the_same_bits(monkeypatch, march):
+def test_the_int8_activation_kernel_without_vnni_gives_the_same_bits(march):
     """The plain C int32 loop (CPUs without AVX512-VNNI) equals llm_int8_matmul exactly too."""
-    monkeypatch.delenv("CS336_KERNELS", raising=False)
-    monkeypatch.setenv("CS336_KERNELS_MARCH", march)
-    build.reset()
-    try:
-        if build.library() is None:
-            pytest.skip(f"could not build for -march={march} here")
-        layer = llm_int8_layer(37, 70, float("inf"))
-        with torch.inference_mode():
-            for M in (1, 5, 17):
-                x = inputs(M, 70, "contiguous", seed=M)
-                assert torch.equal(kernels.llm_int8_linear(layer, x), llm_int8_reference(layer, x)), (
-                    f"-march={march}, M={M}"
-                )
-    finally:
-        build.reset()
+    layer = llm_int8_layer(37, 70, float("inf"))
+    with torch.inference_mode():
+        for M in (1, 5, 17):
+            x = inputs(M, 70, "contiguous", seed=M)
+            assert torch.equal(kernels.llm_int8_linear(layer, x), llm_int8_reference(layer, x)), (
+                f"-march={march}, M={M}"
+            )
 
 
 def test_prefill_and_autograd_stay_on_the_pytorch_path(kernels_on):
