@@ -117,6 +117,74 @@ def test_forward_equals_the_reference_for_1_to_32_rows(request, mode, name, d_ou
                     assert torch.equal(direct, y), f"{what}: the layer did not use the kernel"
 
 
+@pytest.fixture
+def native_ops(kernels_on):
+    """The C++ op bodies (kernels/native.cpp) loaded next to the Python ones; skipped if they cannot
+    be built here (no ninja or no torch headers: compiled steps then call the Python bodies)."""
+    from cs336_inference.kernels import ops
+
+    if not ops.load_native():
+        pytest.skip("kernels/native.cpp could not be built here")
+    return ops
+
+
+@pytest.mark.parametrize(("name", "d_out", "d_in", "group_size"), CASES, ids=IDS)
+def test_the_cpp_op_bodies_give_the_python_bodies_numbers_bit_for_bit(
+    native_ops, name, d_out, d_in, group_size
+):
+    """cs336_native::* (what a compiled step calls) against cs336::* (the Python bodies over ctypes):
+    the same C functions behind both, so the same bits, for every format and row layout."""
+    layer, _, _, _ = make_layer(name, d_out, d_in, group_size)
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(d_out, d_in, generator=g), torch.randn(d_out, generator=g)
+    with torch.inference_mode():
+        for M in (1, 2, 5, 17, 32):
+            for layout in ("contiguous", "strided_rows", "transposed"):
+                x = inputs(M, d_in, layout, seed=M)
+                what = f"{name}, M={M}, {layout} x"
+                if name.startswith("fp32"):
+                    stored = w.contiguous() if name == "fp32_rows" else w.t().contiguous().t()
+                    args = (x, stored, b)
+                    ours, python = torch.ops.cs336_native.linear_f32(*args), torch.ops.cs336.linear_f32(*args)
+                else:
+                    code = native_ops.FORMAT_CODES[name]
+                    scale, zero = getattr(layer, "scale", None), getattr(layer, "zero", None)
+                    args = (x, layer.qweight, scale, zero, layer.bias, code, d_out)
+                    ours, python = torch.ops.cs336_native.quantized(*args), torch.ops.cs336.quantized(*args)
+                assert ours.shape == (*x.shape[:-1], d_out), f"{what}: shape {tuple(ours.shape)}"
+                assert torch.equal(ours, python), f"{what}: differs by {(ours - python).abs().max():.3g}"
+
+
+def test_the_cpp_op_bodies_refuse_what_the_kernels_do_not_take_in_one_line(native_ops):
+    layer = QuantizedLinear.from_weight(torch.randn(8, 64), "int8")
+    for x, expected in [
+        (torch.randn(33, 64), "1..32 rows, got 33"),
+        (torch.randn(2, 64).double(), "float32"),
+    ]:
+        with pytest.raises(RuntimeError, match=expected) as info:
+            torch.ops.cs336_native.quantized(x, layer.qweight, layer.scale, None, None, 1, 8)
+        assert len(str(info.value).strip().splitlines()) <= 3, str(
+            info.value
+        )  # torch adds a "raised from" line
+
+
+def test_a_failed_cpp_build_is_one_line_and_compiled_steps_keep_the_python_bodies(
+    kernels_on, monkeypatch, capfd
+):
+    from cs336_inference.kernels import ops
+
+    def fail():
+        raise RuntimeError("Error building extension: no ninja")
+
+    monkeypatch.setattr(ops, "_native", None)
+    monkeypatch.setattr(build, "build_native", fail)
+    capfd.readouterr()
+    assert ops.load_native() is False and ops.load_native() is False
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "C++ op bodies not built" in err[0] and "no ninja" in err[0], err
+    assert ops._compiled_ops() is torch.ops.cs336
+
+
 @pytest.fixture(params=["haswell", "x86-64"])
 def march(request, monkeypatch):
     """The kernels built for an AVX2 CPU (8 lanes) or plain x86-64 (4 lanes, no intrinsics), on

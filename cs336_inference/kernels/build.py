@@ -132,6 +132,37 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
+NATIVE_SOURCE = Path(__file__).with_name("native.cpp")
+
+
+def build_native() -> None:
+    """Compile (or find in the cache) native.cpp, the C++ bodies of the compiled step's ops, and load
+    it (it registers the ops `cs336_native::*`); raises on any failure. A torch.utils.cpp_extension
+    build: it needs ninja and torch's headers and takes about a minute, so only compiled steps ask."""
+    import torch
+    from torch.utils import cpp_extension
+
+    key = hashlib.sha256(b"\0".join([NATIVE_SOURCE.read_bytes(), torch.__version__.encode()])).hexdigest()[
+        :16
+    ]
+    directory = cache_dir() / f"native-{key}"
+    built = directory / f"cs336_native_{key}.so"
+    if built.exists():
+        torch.ops.load_library(str(built))
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:  # concurrent builds never share a folder
+        cpp_extension.load(
+            name=f"cs336_native_{key}",
+            sources=[str(NATIVE_SOURCE)],
+            extra_cflags=["-O2"],
+            build_directory=tmp,
+            is_python_module=False,
+            verbose=False,
+        )  # loads it too
+        os.replace(Path(tmp) / built.name, built)
+
+
 def reset() -> None:
     """Forget the loaded library (tests: build again, e.g. with another compiler)."""
     global _lib, _tried

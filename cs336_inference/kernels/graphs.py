@@ -43,6 +43,7 @@ from torch import Tensor
 from ..attention import ForwardContext
 from ..kv_cache import KVCache, StaticKVCache
 from ..quantization.linear import PackedWeight
+from . import build, ops
 
 MODES = ("graph", "compile", "eager")
 
@@ -124,6 +125,8 @@ def compiled_forward():
         # one compiled graph per model and cache shape; the default limit (8) is low for a benchmark
         if hasattr(torch._dynamo.config, "recompile_limit"):
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        if build.library() is not None:
+            ops.load_native()  # the products' C++ bodies (kernels/native.cpp), decided before tracing
         _compiled_forward = torch.compile(_forward, dynamic=False, fullgraph=True)
     return _compiled_forward
 

@@ -12,6 +12,10 @@ since a custom op's dispatch costs more than the call itself.
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
+
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float
@@ -61,7 +65,7 @@ def linear_fp32(
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
     if torch.compiler.is_compiling():
-        return torch.ops.cs336.linear_f32(x, weight, bias)
+        return _compiled_ops().linear_f32(x, weight, bias)
     x2, M, ldx = rows
     y = torch.empty(*x.shape[:-1], d_out)
     fn(x2.data_ptr(), M, d_in, ldx, weight.data_ptr(), d_out, bias if bias is None else bias.data_ptr(), y.data_ptr(),
@@ -87,7 +91,7 @@ def _linear_f32_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 @torch.library.register_fake("cs336::linear_f32")
-def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def _fake_linear_f32(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -107,7 +111,7 @@ def quantized_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"]
         return None
     scale, zero = getattr(layer, "scale", None), getattr(layer, "zero", None)
     if torch.compiler.is_compiling():
-        return torch.ops.cs336.quantized(x, layer.qweight, scale, zero, bias, FORMAT_CODES[fmt], layer.d_out)
+        return _compiled_ops().quantized(x, layer.qweight, scale, zero, bias, FORMAT_CODES[fmt], layer.d_out)
     return _quantized_call(lib, rows, x, layer.qweight, scale, zero, bias, fmt, layer.d_out)
 
 
@@ -153,8 +157,11 @@ def _quantized_op(
 
 
 @torch.library.register_fake("cs336::quantized")
-def _(x, q, scale, zero, bias, fmt: int, d_out: int) -> Tensor:
+def _fake_quantized(x, q, scale, zero, bias, fmt: int, d_out: int) -> Tensor:
     return x.new_empty(*x.shape[:-1], d_out)
+
+
+_FAKES = {"linear_f32": _fake_linear_f32, "quantized": _fake_quantized}
 
 
 def llm_int8_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"] | None:
@@ -202,3 +209,44 @@ def _(x, q, scale, bias, threshold: float) -> Tensor:
 _LIB.impl("linear_f32", _linear_f32_op, "CPU")
 _LIB.impl("quantized", _quantized_op, "CPU")
 _LIB.impl("llm_int8", _llm_int8_op, "CPU")
+
+
+# The same two ops with C++ bodies (native.cpp), which a compiled step calls when they load: a call
+# through the dispatcher into a Python body costs about 20 us more than the C function it wraps
+# (measured), and SmolLM2's step makes 211 of them. Tried once, by graphs.compiled_forward() before it
+# compiles; if the build fails (no ninja, no headers) the Python bodies above run, said once on stderr.
+_native: bool | None = None
+
+
+def load_native() -> bool:
+    """Build and load native.cpp and hand it decode.c's entry points; True if its ops are usable."""
+    global _native
+    if _native is None:
+        lib = build.library()
+        _native = False
+        if lib is not None and os.environ.get("CS336_KERNELS_NATIVE", "1").strip().lower() not in (
+            "0",
+            "off",
+        ):
+            try:
+                build.build_native()
+                names = ("cs336_f32_rows", "cs336_f32_cols", "cs336_int8", "cs336_int4", "cs336_ggml")
+                torch.ops.cs336_native.set_kernels(
+                    [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names]
+                )
+                _native = True
+            except Exception as e:  # no ninja, no headers, a failed build
+                print(
+                    f"cs336_inference.kernels: C++ op bodies not built ({' '.join(str(e).split())[:200]}); "
+                    "compiled steps call the Python bodies",
+                    file=sys.stderr,
+                )
+        if _native:
+            for name in ("linear_f32", "quantized"):
+                torch.library.register_fake(f"cs336_native::{name}")(_FAKES[name])
+    return _native
+
+
+def _compiled_ops():
+    """The op namespace a compiled step calls: cs336_native if load_native() succeeded, else cs336."""
+    return torch.ops.cs336_native if _native else torch.ops.cs336
