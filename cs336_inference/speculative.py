@@ -196,19 +196,31 @@ class ModelDraft:
     Its cache holds the tokens it has fed (the context of its last call plus its own drafts but the
     last); a call keeps the common prefix with the new context, truncates the rest and feeds the
     missing tokens (one forward), then samples k tokens with k - 1 one-token forwards.
+    step_mode: as speculative_generate's (staff code): the draft's forwards of 1 and 2 tokens run as
+    fixed-shape steps (`kernels.graphs.FixedShapes`), e.g. compiled, so a small draft's step costs
+    what its products cost rather than its Python and small ops.
     """
 
-    def __init__(self, model: TransformerLM):
-        self.model = model
+    def __init__(self, model: TransformerLM, step_mode: str | None = None):
+        self.model, self.step_mode = model, step_mode
         self.cache: KVCache | None = None
         self.fed: Tensor | None = None  # the tokens the cache holds
+        self.forward = model
 
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
     def reset(self, capacity: int, k: int) -> None:
-        self.cache = self.model.new_cache(1, capacity, spare=k + 1)
+        if self.step_mode is None:
+            self.cache = self.model.new_cache(1, capacity, spare=k + 1)
+        else:  # fixed-shape steps of 1 and 2 tokens (a round feeds 1, or 2 after all k were accepted)
+            from .kernels.graphs import FixedShapes, fixed_capacity
+
+            self.cache = self.model.new_cache(
+                1, fixed_capacity(capacity + k + 2, self.model.config.max_seq_len)
+            )
+            self.forward = FixedShapes(self.model, self.cache, 2, self.step_mode)
         self.fed = torch.empty(0, dtype=torch.long, device=self.model.embed.weight.device)
 
     @torch.inference_mode()
@@ -221,7 +233,7 @@ class ModelDraft:
         new = context[keep:]
         tokens, probs = [], []
         for i in range(k):
-            logits = self.model(new[None], cache=cache, last_only=True)[0, -1]
+            logits = self.forward(new[None], cache=cache, last_only=True)[0, -1]
             p = sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
             token = torch.multinomial(p[None], 1, generator=sampling.generator)[0]
             tokens.append(token)
@@ -232,10 +244,11 @@ class ModelDraft:
         return torch.cat(tokens), torch.stack(probs)
 
 
-def as_draft(draft) -> Draft:
-    """A TransformerLM becomes a ModelDraft; "ngram" an NGramDraft; anything with propose/reset stays."""
+def as_draft(draft, step_mode: str | None = None) -> Draft:
+    """A TransformerLM becomes a ModelDraft (running step_mode's fixed-shape steps); "ngram" an
+    NGramDraft; anything with propose/reset stays."""
     if isinstance(draft, TransformerLM):
-        return ModelDraft(draft)
+        return ModelDraft(draft, step_mode)
     if isinstance(draft, str) and draft == "ngram":
         return NGramDraft()
     if hasattr(draft, "propose") and hasattr(draft, "reset"):
@@ -347,7 +360,7 @@ def speculative_stream(
     stats = SpeculativeStats(k=k) if stats is None else stats
     stats.k = k
     sampling = Sampling(temperature, top_k, top_p)
-    drafter = as_draft(draft)
+    drafter = as_draft(draft, step_mode)
     return _rounds(target, drafter, ids, int(max_new_tokens), k, sampling, seed, stops, stats, step_mode)
 
 
@@ -435,7 +448,8 @@ def speculative_generate(
     max_new_tokens past the context window.
     step_mode: None runs the target's own forward; "compile" (CPU), "graph" (CUDA) or "eager" run it as
     fixed-shape steps of 1 and k + 1 tokens (`kernels.graphs.FixedShapes`; static caches only), where a
-    verify pass costs little more than a decode step.
+    verify pass costs little more than a decode step; a TransformerLM draft then runs fixed-shape
+    steps of 1 and 2 tokens the same way.
     """
     stats = SpeculativeStats(k=k)
     stream = speculative_stream(

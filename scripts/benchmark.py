@@ -211,6 +211,9 @@ def run_quant(args: argparse.Namespace) -> dict:
             "table": header + "\n\n" + evaluation.format_table(rows), "rows": rows}  # fmt: skip
 
 
+DRAFT_FORMATS = ("int8", "int4", "q8_0", "q4_0", "llm_int8")
+
+
 def run_speculative(args: argparse.Namespace) -> dict:
     """`speculative`: library code in cs336_inference/spec_bench.py."""
     from cs336_inference import spec_bench
@@ -228,12 +231,12 @@ def run_speculative(args: argparse.Namespace) -> dict:
     for name in args.drafts.split(","):
         if name == "ngram":
             drafts[name] = "ngram"
-        elif name in ("int8", "q8_0", "llm_int8"):
+        elif name in DRAFT_FORMATS:  # the target's own weights, quantized with the output matrix
             from cs336_inference.quantization import quantize_model
 
-            drafts[name] = quantize_model(load_pretrained(source), name)
+            drafts[name] = quantize_model(load_pretrained(source), name, quantize_head=True)
         else:
-            raise BenchmarkError(f"--drafts: unknown draft {name!r} (ngram, int8, q8_0, llm_int8)")
+            raise BenchmarkError(f"--drafts: unknown draft {name!r} (ngram, {', '.join(DRAFT_FORMATS)})")
 
     def chat(text: str) -> torch.Tensor:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}])
@@ -362,7 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     spec = sub.add_parser("speculative", help="speculative decoding: alpha, tokens/pass, speedup vs k")
     spec.add_argument("--model", help="target checkpoint (default: SmolLM2-135M-Instruct GGUF)")
-    spec.add_argument("--drafts", default="ngram", help="comma-separated: ngram, int8, q8_0, llm_int8")
+    spec.add_argument(
+        "--drafts",
+        default="ngram",
+        help="comma-separated: ngram, int8, int4, q8_0, q4_0, llm_int8 (the "
+        "target quantized, output matrix too)",
+    )
     spec.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="comma-separated k values")
     spec.add_argument("--prompts", type=int, default=2, help="prompts per workload (chat, rewrite)")
     spec.add_argument(

@@ -200,6 +200,43 @@ def test_compiled_speculative_decoding_is_greedy_generate():
     assert got.tolist() == expected.tolist() and stats.accepted > 0
 
 
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_a_model_draft_in_fixed_shape_steps_gives_greedy_generate(mode):
+    """With step_mode, a TransformerLM draft runs fixed-shape steps of 1 and 2 tokens on its own cache:
+    the target's greedy tokens, and the draft's cache holds the tokens it was fed (a fresh prefill's)."""
+    from cs336_inference.kernels import build
+    from cs336_inference.speculative import ModelDraft, speculative_generate
+
+    if mode == "compile" and build.library() is None:
+        pytest.skip("the C kernels are not built here (CS336_KERNELS=0 or no compiler)")
+    target, draft = tiny("gqa"), tiny("gqa")
+    with torch.no_grad():  # a draft that agrees with the target often, not always
+        draft.embed.weight.add_(
+            0.5 * torch.randn(draft.embed.weight.shape, generator=torch.Generator().manual_seed(1))
+        )
+    prompt = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(5))
+    expected = generate(target, prompt, 24, stop_token_ids=[])
+    for k in (1, 3):
+        drafter = ModelDraft(draft, mode) if k == 3 else draft  # a bare model takes step_mode too
+        got, stats = speculative_generate(
+            target, drafter, prompt, 24, k=k, stop_token_ids=[], return_stats=True, step_mode=mode
+        )
+        assert got.tolist() == expected.tolist(), f"{mode} k={k}"
+        assert stats.accepted > 0 and stats.rejected > 0, (
+            f"{mode} k={k}: {stats.accepted} accepted, {stats.rejected} rejected"
+        )
+    cache, fed = stats.caches["draft"], drafter.fed
+    assert cache.pos == len(fed) and fed[: len(prompt)].tolist() == prompt.tolist()
+    with torch.inference_mode():
+        fresh = draft.new_cache(1, cache.capacity)
+        draft(fed[None], cache=fresh)
+    for i, (a, b) in enumerate(zip(cache.layers, fresh.layers, strict=True)):
+        if a is not None:
+            torch.testing.assert_close(
+                a.k[:, :, : cache.pos], b.k[:, :, : cache.pos], msg=lambda m, i=i: f"{mode} layer {i}: {m}"
+            )
+
+
 def test_speculative_fixed_steps_refuse_ring_caches_in_one_line():
     from cs336_inference.speculative import speculative_generate
 
