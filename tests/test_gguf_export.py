@@ -167,4 +167,14 @@ def test_smollm2_q8_0_export_round_trip(tmp_path):
     text = "def f(x):\n    return x ** 2  # Paris"
     assert load_tokenizer(path).encode(text) == load_tokenizer(source).encode(text)
     x = torch.tensor([load_tokenizer(source).encode(text)])
-    torch.testing.assert_close(logits(load_pretrained(path), x), logits(qmodel, x), rtol=0, atol=1e-4)
+    reloaded = load_pretrained(path)  # Q8_0 read back as float32 weights: exactly the dequantized values
+    for name, layer in qmodel.named_modules():
+        if hasattr(layer, "dequantize") and hasattr(layer, "qweight"):
+            w = reloaded.get_submodule(name).weight
+            assert torch.equal(w, layer.dequantize()), f"{name}: the reloaded weight is not the Q8_0 values"
+    # The two models multiply the same numbers in different orders (the Q8_0 kernel against a float
+    # product), which over 30 layers moves logits of size ~20 by up to ~2e-4 (1.7e-4 measured on an AMD
+    # EPYC, under 1e-4 on an Intel Xeon); the exact check is the weights' above.
+    expected, got = logits(qmodel, x), logits(reloaded, x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-3)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1)), "the reloaded model's greedy tokens differ"
