@@ -129,9 +129,8 @@ def speculative_benchmark(
     for name, draft in drafts.items():
         if isinstance(draft, TransformerLM):
             draft_ratio[name] = forward_cost(draft, first, 1, runs, step_mode) / costs["step_s"]
-            if (
-                step_mode is not None
-            ):  # its 2-token step (a round after k accepted) compiles here, not in a timed run
+            if step_mode is not None:
+                # its 2-token step (a round after all k were accepted) compiles here, not in a timed run
                 forward_cost(draft, first, 2, 1, step_mode)
             log(f"  draft {name}: one step = {draft_ratio[name]:.2f}x a target step")
         else:

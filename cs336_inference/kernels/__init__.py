@@ -15,7 +15,7 @@ decode.c    the kernels: fp32 (row- or column-major), int8, int4, Q8_0, Q4_0, Q4
 ops.py      argument checks and calls (None when a call is not one the kernels handle); the ops
             cs336::* that a compiled step calls, with Python bodies
 native.cpp  the same ops with C++ bodies (cs336_native::*), built with torch.utils.cpp_extension
-            when a step is first compiled (~20-60 s, cached); they save ~12 us per call. Not built
+            when a step is first compiled (tens of seconds, cached); they save ~12 us per call. Not built
             (no ninja, no headers, CS336_KERNELS_NATIVE=0): the Python bodies run, said once.
 layout.py   the fp32 path of layers.Linear: layout and product chosen per shape by measurement
 graphs.py   the decode step with fixed shapes: replayed as a CUDA graph on a GPU, torch.compile'd on

@@ -7,6 +7,7 @@ source or another CPU builds anew and concurrent processes never see a half-writ
     CS336_KERNELS=0        never build or use the kernels (the readable PyTorch path runs)
     CS336_KERNELS_CC=gcc   the C compiler (default: $CC, else gcc)
     CS336_KERNELS_MARCH=x  compile for -march=x instead of the running CPU (tests: the AVX2 path)
+    CS336_KERNELS_NATIVE=0 compiled steps call the ops' Python bodies, not native.cpp's C++ ones
 
 Why a plain C file + ctypes: it builds in about a second with no torch headers (a
 torch.utils.cpp_extension build of the same kernels takes tens of seconds and needs ninja and the
@@ -41,8 +42,13 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
+def switched_on(variable: str) -> bool:
+    """An on/off environment variable, on unless set to 0 / false / no / off."""
+    return os.environ.get(variable, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def enabled() -> bool:
-    return os.environ.get("CS336_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on("CS336_KERNELS")
 
 
 def _cpu_fingerprint() -> str:
@@ -138,7 +144,7 @@ NATIVE_SOURCE = Path(__file__).with_name("native.cpp")
 def build_native() -> None:
     """Compile (or find in the cache) native.cpp, the C++ bodies of the compiled step's ops, and load
     it (it registers the ops `cs336_native::*`); raises on any failure. A torch.utils.cpp_extension
-    build: it needs ninja and torch's headers and takes about a minute, so only compiled steps ask."""
+    build: it needs ninja and torch's headers and takes tens of seconds, so only compiled steps ask."""
     import torch
     from torch.utils import cpp_extension
 
