@@ -6,8 +6,9 @@
    bitwise independent of how many rows are in the call: what speculative verification needs.
 
    Row-major kernels (W stored [O, I]: fp32, int8, int4, Q8_0, Q4_0, Q4_1) take 4 weight rows at a
-   time and decode them in registers, VL inputs (fp32, int8) or one 32-block at a time, then
-   multiply-add them into one VL-lane accumulator per (x row, weight row) pair, 4 x rows at a time:
+   time (2 when x has more than 4 rows) and decode them in registers, VL inputs (fp32, int8) or one
+   32-block at a time, then multiply-add them into one VL-lane accumulator per (x row, weight row)
+   pair, 4 x rows at a time (8 with 2 weight rows):
 
        accumulate in input order, sum the lanes (vsum4, a fixed tree), then the inputs past the last
        whole vector one by one.
@@ -308,48 +309,47 @@ static inline void int4_lookup(const uint8_t *row, i64 i, vf lut, vf w[2]) {
 }
 #endif
 
-/* ------------------------------------------------------------------ a tile: 4 weight rows x R rows
+/* ------------------------------------------------------------------ a tile: J weight rows x R rows
 
-   s[r][j] = w_j . x[r] for R <= 4 rows of x and the weight rows oj[0..3]: one vector accumulator
+   s[r][j] = w_j . x[r] for R rows of x and the J weight rows oj[0..J-1] (J = 4 and R <= 4, or J = 2
+   and R <= 8: 16 accumulators either way, and each weight vector decoded once per R rows): one vector accumulator
    per (row, weight row) pair, VL inputs at a time in input order, its lanes summed by vsum4, then
    the inputs past the last whole vector one by one (only fp32 and int8 rows have those). The
    operations of a pair are the same whatever R is and whichever tile it is in, so a row's result
    does not depend on the rows beside it. */
 
 static inline __attribute__((always_inline)) void tile(const Weight *W, int fmt, const i64 oj[4], const float *x,
-                                                        i64 ldx, int R, i64 I, float s[][4]) {
+                                                        i64 ldx, int J, int R, i64 I, float s[][4]) {
     const uint8_t *row[4];
-    for (int j = 0; j < 4; j++) row[j] = (const uint8_t *)W->w + oj[j] * W->row_bytes;
-    vf a[4][4];
+    for (int j = 0; j < J; j++) row[j] = (const uint8_t *)W->w + oj[j] * W->row_bytes;
+    vf a[8][4];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < 4; j++) a[r][j] = (vf){0};
     const i64 ahead = PREFETCH_ROWS * W->row_bytes; /* the tile after next: rows are read in order */
     i64 i = 0;
     if (fmt == FMT_F32 || fmt == FMT_INT8) {
         for (; i + VL <= I; i += VL) {
-            for (int j = 0; j < 4; j++) __builtin_prefetch(row[j] + i * (fmt == FMT_F32 ? 4 : 1) + ahead);
-            vf w0 = chunk(fmt, row[0], i), w1 = chunk(fmt, row[1], i), w2 = chunk(fmt, row[2], i), w3 = chunk(fmt, row[3], i);
+            vf w[4];
+            for (int j = 0; j < J; j++) __builtin_prefetch(row[j] + i * (fmt == FMT_F32 ? 4 : 1) + ahead);
+            for (int j = 0; j < J; j++) w[j] = chunk(fmt, row[j], i);
             for (int r = 0; r < R; r++) {
                 vf xv = vload(x + r * ldx + i);
-                a[r][0] = vfma(w0, xv, a[r][0]);
-                a[r][1] = vfma(w1, xv, a[r][1]);
-                a[r][2] = vfma(w2, xv, a[r][2]);
-                a[r][3] = vfma(w3, xv, a[r][3]);
+                for (int j = 0; j < J; j++) a[r][j] = vfma(w[j], xv, a[r][j]);
             }
         }
 #if VL == 16
     } else if (fmt == FMT_INT4) { /* a group at a time: its 4 tables, then its 32-blocks */
         for (i64 g0 = 0; g0 < I; g0 += (i64)1 << W->gshift) {
             vf lut[4];
-            for (int j = 0; j < 4; j++) lut[j] = int4_lut(W, oj[j], g0);
+            for (int j = 0; j < J; j++) lut[j] = int4_lut(W, oj[j], g0);
             for (; i < g0 + ((i64)1 << W->gshift); i += 32) {
                 vf w[4][2];
-                for (int j = 0; j < 4; j++) __builtin_prefetch(row[j] + i / 2 + ahead);
-                for (int j = 0; j < 4; j++) int4_lookup(row[j], i, lut[j], w[j]);
+                for (int j = 0; j < J; j++) __builtin_prefetch(row[j] + i / 2 + ahead);
+                for (int j = 0; j < J; j++) int4_lookup(row[j], i, lut[j], w[j]);
                 for (int c = 0; c < 2; c++)
                     for (int r = 0; r < R; r++) {
                         vf xv = vload(x + r * ldx + i + c * VL);
-                        for (int j = 0; j < 4; j++) a[r][j] = vfma(w[j][c], xv, a[r][j]);
+                        for (int j = 0; j < J; j++) a[r][j] = vfma(w[j][c], xv, a[r][j]);
                     }
             }
         }
@@ -357,19 +357,19 @@ static inline __attribute__((always_inline)) void tile(const Weight *W, int fmt,
     } else { /* block formats: 32 weights at a time (I is a multiple of 32), the same order */
         for (; i + 32 <= I; i += 32) {
             vf w[4][32 / VL];
-            for (int j = 0; j < 4; j++) __builtin_prefetch(row[j] + block_bytes(W, fmt, i) + ahead);
-            for (int j = 0; j < 4; j++) block(W, fmt, row[j], oj[j], i, w[j]);
+            for (int j = 0; j < J; j++) __builtin_prefetch(row[j] + block_bytes(W, fmt, i) + ahead);
+            for (int j = 0; j < J; j++) block(W, fmt, row[j], oj[j], i, w[j]);
             for (int c = 0; c < 32 / VL; c++)
                 for (int r = 0; r < R; r++) {
                     vf xv = vload(x + r * ldx + i + c * VL);
-                    for (int j = 0; j < 4; j++) a[r][j] = vfma(w[j][c], xv, a[r][j]);
+                    for (int j = 0; j < J; j++) a[r][j] = vfma(w[j][c], xv, a[r][j]);
                 }
         }
     }
     for (int r = 0; r < R; r++) {
         float t[4];
-        vsum4(a[r][0], a[r][1], a[r][2], a[r][3], t);
-        for (int j = 0; j < 4; j++) {
+        vsum4(a[r][0], a[r][1], a[r][2], a[r][3], t); /* J = 2: lanes 2, 3 hold zeros, unused */
+        for (int j = 0; j < J; j++) {
             for (i64 k = i; k < I; k++) {
                 float wk = fmt == FMT_F32 ? ((const float *)row[j])[k] : (float)((const int8_t *)row[j])[k];
                 t[j] = fmaf(wk, x[r * ldx + k], t[j]);
@@ -381,14 +381,27 @@ static inline __attribute__((always_inline)) void tile(const Weight *W, int fmt,
 
 #define MAX_M 32
 #define TILE_R(F)                                                                                            \
-    switch (R) { /* one specialized copy per format and number of rows */                                   \
-    case 1: tile(W, F, oj, xm, ldx, 1, I, s); break;                                                         \
-    case 2: tile(W, F, oj, xm, ldx, 2, I, s); break;                                                         \
-    case 3: tile(W, F, oj, xm, ldx, 3, I, s); break;                                                         \
-    default: tile(W, F, oj, xm, ldx, 4, I, s); break;                                                        \
-    }
+    if (J == 4) /* one specialized copy per format, tile width and number of rows */                         \
+        switch (R) {                                                                                         \
+        case 1: tile(W, F, oj, xm, ldx, 4, 1, I, s); break;                                                  \
+        case 2: tile(W, F, oj, xm, ldx, 4, 2, I, s); break;                                                  \
+        case 3: tile(W, F, oj, xm, ldx, 4, 3, I, s); break;                                                  \
+        default: tile(W, F, oj, xm, ldx, 4, 4, I, s); break;                                                 \
+        }                                                                                                    \
+    else                                                                                                     \
+        switch (R) {                                                                                         \
+        case 1: tile(W, F, oj, xm, ldx, 2, 1, I, s); break;                                                  \
+        case 2: tile(W, F, oj, xm, ldx, 2, 2, I, s); break;                                                  \
+        case 3: tile(W, F, oj, xm, ldx, 2, 3, I, s); break;                                                  \
+        case 4: tile(W, F, oj, xm, ldx, 2, 4, I, s); break;                                                  \
+        case 5: tile(W, F, oj, xm, ldx, 2, 5, I, s); break;                                                  \
+        case 6: tile(W, F, oj, xm, ldx, 2, 6, I, s); break;                                                  \
+        case 7: tile(W, F, oj, xm, ldx, 2, 7, I, s); break;                                                  \
+        default: tile(W, F, oj, xm, ldx, 2, 8, I, s); break;                                                 \
+        }
 
-static void tile_any(const Weight *W, const i64 oj[4], const float *xm, i64 ldx, int R, i64 I, float s[][4]) {
+static void tile_any(const Weight *W, const i64 oj[4], const float *xm, i64 ldx, int J, int R, i64 I,
+                     float s[][4]) {
     switch (W->fmt) {
     case FMT_F32: TILE_R(FMT_F32); break;
     case FMT_INT8: TILE_R(FMT_INT8); break;
@@ -415,12 +428,15 @@ static float *deinterleave_x(const float *x, i64 M, i64 I, i64 ldx) {
 }
 
 /* y[m, o] = (x[m] . W[o]) (* scale[o] for int8) (+ bias[o]) for the row-major formats: OpenMP over
-   tiles of 4 output rows, every group of 4 x rows against a tile's weights decoded in registers
-   (int4 with groups that are not whole vectors: dequantized once into an L1 buffer instead, which
-   then serves as an fp32 tile). */
+   tiles of TW output rows, every group of up to RG x rows against a tile's weights decoded in
+   registers: TW = RG = 4 for up to 4 rows, TW = 2 and RG = 8 for more, so a weight vector is decoded
+   once per 8 rows rather than per 4 (5 rows: once instead of twice; measured faster than decoding a
+   tile once into an L1 buffer and reloading it per group). int4 with groups that are not whole
+   vectors is dequantized once into an L1 buffer instead, which then serves as an fp32 tile. */
 static void rowmajor_mm(const Weight *W, const float *x, i64 M, i64 I, i64 ldx, i64 O, const float *bias,
                         float *y, int threads) {
-    i64 tiles = (O + 3) / 4;
+    const int TW = M > 4 ? 2 : 4, RG = M > 4 ? 8 : 4;
+    i64 tiles = (O + TW - 1) / TW;
     int fused = fused_ok(W, I);
     float *xp = int4_x_order(W, I) ? deinterleave_x(x, M, I, ldx) : NULL;
     if (xp) x = xp, ldx = I;
@@ -430,8 +446,8 @@ static void rowmajor_mm(const Weight *W, const float *x, i64 M, i64 I, i64 ldx, 
         float s[MAX_M][4];
 #pragma omp for schedule(static)
         for (i64 t = 0; t < tiles; t++) {
-            i64 o = 4 * t, oj[4];
-            int J = O - o < 4 ? (int)(O - o) : 4;
+            i64 o = TW * t, oj[4];
+            int J = O - o < TW ? (int)(O - o) : TW;
             for (int j = 0; j < 4; j++) oj[j] = o + (j < J ? j : 0); /* a short last tile repeats a row */
             Weight B = {FMT_F32, buf, I * 4, NULL, NULL, NULL, 0, -1};
             const Weight *T = W;
@@ -440,7 +456,7 @@ static void rowmajor_mm(const Weight *W, const float *x, i64 M, i64 I, i64 ldx, 
                 for (int j = 0; j < 4; j++) oj[j] = j < J ? j : 0;
                 T = &B;
             }
-            for (i64 m = 0; m < M; m += 4) tile_any(T, oj, x + m * ldx, ldx, M - m < 4 ? (int)(M - m) : 4, I, s + m);
+            for (i64 m = 0; m < M; m += RG) tile_any(T, oj, x + m * ldx, ldx, TW, M - m < RG ? (int)(M - m) : RG, I, s + m);
             for (int j = 0; j < J; j++) {
                 float scale = W->fmt == FMT_INT8 ? W->scale_f32[o + j] : 1.f, b = bias ? bias[o + j] : 0.f;
                 for (i64 m = 0; m < M; m++) {
