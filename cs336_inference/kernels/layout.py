@@ -82,9 +82,9 @@ def measure(d_out: int, d_in: int, force: str = "auto") -> Plan:
                 continue
             fn = linear_fp32 if product == "ours" else F.linear
             seconds[f"{product}/{layout}"] = sum(
-                _median_time(lambda x=x: [fn(x, c) for c in ring]) / n for x in xs
+                _median_time(lambda x=x, fn=fn, ring=ring: [fn(x, c) for c in ring]) / n for x in xs
             )
-        del ring
+        ring = []  # freed before the other layout's copies are made
     best = min(seconds, key=seconds.get)
     ours = min((k for k in seconds if k.startswith("ours")), key=seconds.get, default=None)
     if ours is not None and seconds[ours] <= (1 + OURS_MARGIN) * seconds[best]:
