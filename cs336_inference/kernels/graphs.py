@@ -130,7 +130,9 @@ def compiled_forward():
         # the generated wrapper checks every op output's size, stride and alignment by default (about
         # a thousand calls per SmolLM2 step): off, the int4 step took 0.94x the time (Intel Xeon,
         # one process, 10 interleaved rounds); the fake kernels give the products' true shapes
-        options = {k: False for k in ("size_asserts", "alignment_asserts") if hasattr(torch._inductor.config, k)}
+        options = {
+            k: False for k in ("size_asserts", "alignment_asserts") if hasattr(torch._inductor.config, k)
+        }
         _compiled_forward = torch.compile(_forward, dynamic=False, fullgraph=True, options=options)
     return _compiled_forward
 
