@@ -234,6 +234,37 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kernels_on, name, d_out
             torch.set_num_threads(threads)
 
 
+def test_the_fp32_planner_keeps_our_kernel_unless_torch_is_clearly_faster(monkeypatch):
+    """layout.measure: four candidates timed over a ring of copies; ours unless torch is > 10% faster."""
+    from cs336_inference.kernels import layout
+
+    monkeypatch.delenv("CS336_KERNELS", raising=False)
+    build.reset()
+    if build.library() is None:
+        pytest.skip("the kernels could not be built here (no C compiler?)")
+    monkeypatch.setattr(layout, "RING_BYTES", 4 * 2**20)  # 4 MB of copies: quick, still a ring
+    calls = []
+    real = layout._median_time
+    monkeypatch.setattr(layout, "_median_time", lambda fn, repeats=7: calls.append(fn) or real(fn, repeats))
+    p = layout.measure(96, 64)
+    assert set(p.seconds) == {"torch/cols", "torch/rows", "ours/cols", "ours/rows"}, p.seconds
+    assert len(calls) == 8, f"expected 4 candidates x 2 row counts timed, got {len(calls)}"
+    best = min(p.seconds.values())
+    ours = min(v for k, v in p.seconds.items() if k.startswith("ours"))
+    chosen = p.seconds[f"{p.product}/{p.layout}"]
+    if p.product == "torch":
+        assert ours > (1 + layout.OURS_MARGIN) * best, f"torch chosen though ours is within 10%: {p.seconds}"
+        assert chosen == best, f"torch chosen but not the fastest: {p.seconds}"
+    else:
+        assert chosen == ours <= (1 + layout.OURS_MARGIN) * best, f"ours chosen wrongly: {p}"
+    # the rule itself, on made-up timings (ours 5% slower: kept; 20% slower: torch)
+    for slower, expect in ((1.05, "ours"), (1.20, "torch")):
+        times = iter([1.0, 1.0, slower, slower, 1.0, 1.0, slower, slower])  # cols: torch, ours; rows: torch, ours
+        monkeypatch.setattr(layout, "_median_time", lambda fn, repeats=7, t=times: next(t))
+        assert layout.measure(96, 64).product == expect, f"ours {slower}x torch's time: expected {expect}"
+    build.reset()
+
+
 def llm_int8_layer(d_out: int, d_in: int, threshold: float, bias: bool = True):
     from cs336_inference.quantization.llm_int8 import LLMInt8Linear
 
