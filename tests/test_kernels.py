@@ -259,7 +259,9 @@ def test_the_fp32_planner_keeps_our_kernel_unless_torch_is_clearly_faster(monkey
         assert chosen == ours <= (1 + layout.OURS_MARGIN) * best, f"ours chosen wrongly: {p}"
     # the rule itself, on made-up timings (ours 5% slower: kept; 20% slower: torch)
     for slower, expect in ((1.05, "ours"), (1.20, "torch")):
-        times = iter([1.0, 1.0, slower, slower, 1.0, 1.0, slower, slower])  # cols: torch, ours; rows: torch, ours
+        times = iter(
+            [1.0, 1.0, slower, slower, 1.0, 1.0, slower, slower]
+        )  # cols: torch, ours; rows: torch, ours
         monkeypatch.setattr(layout, "_median_time", lambda fn, repeats=7, t=times: next(t))
         assert layout.measure(96, 64).product == expect, f"ours {slower}x torch's time: expected {expect}"
     build.reset()

@@ -5,7 +5,7 @@ its BLAS and the shape: torch's F.linear or our kernel, with W stored row-major 
 or column-major (W^T contiguous, how layers.transposed_empty allocates it). `plan(O, I)` times the
 four on random weights of that shape at M = 1 and M = 5 rows (once per shape and thread count per
 process, under a second for SmolLM2's shapes) and keeps the one with the smallest total. Each
-candidate runs over a ring of copies of the weight (RING_BYTES in all), as a decode step reads its
+candidate runs over a ring of copies of the weight (RING_BYTES in all, at most RING_COPIES), as a decode step reads its
 weights: one after another, not one small matrix called again and again from the core's own cache.
 Our kernel is kept unless torch is more than OURS_MARGIN faster: with it a row's result does not
 depend on the number of rows (below), and at several rows it streams better than BLAS (a whole
@@ -60,7 +60,8 @@ def _median_time(fn, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
-RING_BYTES = 64 * 2**20  # the copies a candidate is timed over (one copy if the weight is larger)
+RING_BYTES = 64 * 2**20  # the copies a candidate is timed over (one copy if the weight is larger),
+RING_COPIES = 128  # and at most this many (a small model's weights sit in a cache anyway)
 OURS_MARGIN = 0.10  # our kernel unless torch's total is more than 10% smaller
 
 
@@ -73,7 +74,7 @@ def measure(d_out: int, d_in: int, force: str = "auto") -> Plan:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(d_out, d_in, generator=g)
     xs = [torch.randn(m, d_in, generator=g) for m in (1, 5)]
-    n = max(1, RING_BYTES // w.nbytes)
+    n = min(RING_COPIES, max(1, RING_BYTES // w.nbytes))
     seconds = {}
     for layout in ("cols", "rows"):
         ring = [_stored(w, layout).clone() if layout == "rows" else _stored(w, layout) for _ in range(n)]
