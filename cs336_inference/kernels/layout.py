@@ -5,8 +5,9 @@ its BLAS and the shape: torch's F.linear or our kernel, with W stored row-major 
 or column-major (W^T contiguous, how layers.transposed_empty allocates it). `plan(O, I)` times the
 four on random weights of that shape at M = 1 and M = 5 rows (once per shape and thread count per
 process, under a second for SmolLM2's shapes) and keeps the one with the smallest total. Each
-candidate runs over a ring of copies of the weight (RING_BYTES in all, at most RING_COPIES), as a decode step reads its
-weights: one after another, not one small matrix called again and again from the core's own cache.
+candidate runs over a ring of copies of the weight (RING_BYTES in all, at most RING_COPIES), as a
+decode step reads its weights: one after another, not one small matrix called again and again from
+the core's own cache.
 Our kernel is kept unless torch is more than OURS_MARGIN faster: with it a row's result does not
 depend on the number of rows (below), and at several rows it streams better than BLAS (a whole
 SmolLM2's products at M = 5: 26.4 ms with ours against 38.4 ms with BLAS, 21.7 against 19.9 ms at
