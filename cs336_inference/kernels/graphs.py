@@ -44,6 +44,7 @@ from ..attention import ForwardContext
 from ..kv_cache import KVCache, StaticKVCache
 from ..quantization.linear import PackedWeight
 from . import build, ops
+from .layout import decode_linear
 
 MODES = ("graph", "compile", "eager")
 
@@ -63,6 +64,13 @@ class _FixedStore:
 class _FixedCache:
     def __init__(self, layers: list[_FixedStore | None]):
         self.layers = layers
+
+
+class _VocabHead:
+    """The output matrix seen as a bias-free Linear, for `decode_linear` (which may re-store its weight)."""
+
+    def __init__(self, weight: Tensor):
+        self.weight, self.bias = weight, None
 
 
 class StaticDecodeStep:
@@ -91,9 +99,14 @@ class StaticDecodeStep:
         self.steps = torch.zeros(T, dtype=torch.long, device=device)  # pos + offsets, set by forward
         # a pad (zeros if none) makes ForwardContext build the causal mask, which hides unwritten slots
         self.pad = torch.zeros(B, dtype=torch.long, device=device) if cache.pad is None else cache.pad
-        # a quantized output matrix: its layer, called directly (what F.linear(h, PackedWeight) does)
+        # a quantized output matrix: its layer, called directly (what F.linear(h, PackedWeight) does);
+        # a float one: the fp32 decode path of a Linear (kernels/layout.py), which the model's own last
+        # line (F.linear) does not take: at 5 rows BLAS took 1.9-3.3x our kernel's time on SmolLM2's
+        # 49152 x 576 table (Intel Xeon), and ours keeps each row's logits independent of T
         w = model.vocab_weight
         self.head = w.layer if isinstance(w, PackedWeight) else None
+        head = model.embed if model.lm_head is None else model.lm_head
+        self.vocab = _VocabHead(head.weight) if self.head is None else None
         self.view = _FixedCache([None if s is None else _FixedStore(s, self.steps) for s in cache.layers])
 
     def forward(self) -> Float[Tensor, "B T V"]:
@@ -107,7 +120,10 @@ class StaticDecodeStep:
         for block in model.layers:
             x = block(x, ctx)
         h = model.norm(x)
-        return self.head(h) if self.head is not None else F.linear(h, model.vocab_weight)
+        if self.head is not None:
+            return self.head(h)
+        y = decode_linear(self.vocab, h)
+        return F.linear(h, model.vocab_weight) if y is None else y
 
 
 def _forward(step: StaticDecodeStep) -> Tensor:
