@@ -312,8 +312,8 @@ static inline void int4_lookup(const uint8_t *row, i64 i, vf lut, vf w[2]) {
 /* ------------------------------------------------------------------ a tile: J weight rows x R rows
 
    s[r][j] = w_j . x[r] for R rows of x and the J weight rows oj[0..J-1] (J = 4 and R <= 4, or J = 2
-   and R <= 8: 16 accumulators either way, and each weight vector decoded once per R rows): one vector accumulator
-   per (row, weight row) pair, VL inputs at a time in input order, its lanes summed by vsum4, then
+   and R <= 8: 16 accumulators either way, each weight vector decoded once per R rows): one vector
+   accumulator per (row, weight row) pair, VL inputs at a time in input order, its lanes summed by vsum4, then
    the inputs past the last whole vector one by one (only fp32 and int8 rows have those). The
    operations of a pair are the same whatever R is and whichever tile it is in, so a row's result
    does not depend on the rows beside it. */

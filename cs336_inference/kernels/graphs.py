@@ -100,13 +100,12 @@ class StaticDecodeStep:
         # a pad (zeros if none) makes ForwardContext build the causal mask, which hides unwritten slots
         self.pad = torch.zeros(B, dtype=torch.long, device=device) if cache.pad is None else cache.pad
         # a quantized output matrix: its layer, called directly (what F.linear(h, PackedWeight) does);
-        # a float one: the fp32 decode path of a Linear (kernels/layout.py), which the model's own last
-        # line (F.linear) does not take: at 5 rows BLAS took 1.9-3.3x our kernel's time on SmolLM2's
-        # 49152 x 576 table (Intel Xeon), and ours keeps each row's logits independent of T
+        # a float one: the planned fp32 product of a Linear (kernels/layout.py), which the model's own
+        # last line (F.linear) does not take; ours keeps each row's logits independent of T (with it,
+        # SmolLM2's compiled 5-token verify pass went from 1.43x to 1.23x a step: README, Intel Xeon)
         w = model.vocab_weight
         self.head = w.layer if isinstance(w, PackedWeight) else None
-        head = model.embed if model.lm_head is None else model.lm_head
-        self.vocab = _VocabHead(head.weight) if self.head is None else None
+        self.vocab = _VocabHead(w) if self.head is None else None
         self.view = _FixedCache([None if s is None else _FixedStore(s, self.steps) for s in cache.layers])
 
     def forward(self) -> Float[Tensor, "B T V"]:

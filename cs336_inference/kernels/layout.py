@@ -9,10 +9,10 @@ candidate runs over a ring of copies of the weight (RING_BYTES in all, at most R
 decode step reads its weights: one after another, not one small matrix called again and again from
 the core's own cache.
 Our kernel is kept unless torch is more than OURS_MARGIN faster: with it a row's result does not
-depend on the number of rows (below), and at several rows it streams better than BLAS (a whole
-SmolLM2's products at M = 5: 26.4 ms with ours against 38.4 ms with BLAS, 21.7 against 19.9 ms at
-M = 1; Intel Xeon, stop 21), while the per-shape totals of the two were within a few percent of
-each other, either way from run to run.
+depend on the number of rows (below), and at several rows it streams better than BLAS (on SmolLM2,
+Intel Xeon, stop 21: the fp32 5-token forward went from 1.50x to 1.33x a one-token step, the
+compiled step from 40.6 to 43.1 tok/s; README, "Decode kernels"), while the per-shape totals of the
+two were within a few percent of each other, either way from run to run.
 
 One product per shape for every M in 1..32, never a switch between M = 1 and M = 2: with our
 kernel, a row's result is then bitwise the same whatever the number of rows (what speculative
@@ -78,7 +78,8 @@ def measure(d_out: int, d_in: int, force: str = "auto") -> Plan:
     n = min(RING_COPIES, max(1, RING_BYTES // w.nbytes))
     seconds = {}
     for layout in ("cols", "rows"):
-        ring = [_stored(w, layout).clone() if layout == "rows" else _stored(w, layout) for _ in range(n)]
+        stored = _stored(w, layout)
+        ring = [stored.clone() for _ in range(n)]  # clone keeps the layout's strides
         for product in ("torch", "ours"):
             if force != "auto" and product != force:
                 continue
