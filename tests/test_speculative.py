@@ -285,7 +285,11 @@ def check_cache_holds(what: str, model: TransformerLM, cache, tokens: torch.Tens
 
 def run_greedy(variant: str, k: int, draft_kind: str, n_new: int = 30):
     target = tiny_model(variant)
-    draft = perturbed(target, 0.3) if draft_kind == "model" else NGramDraft()
+    draft = {
+        "model": lambda: perturbed(target, 0.3),
+        "shared": lambda: spec.ModelDraft(perturbed(target, 0.3), share_cache=True),  # the target's cache
+        "ngram": NGramDraft,
+    }[draft_kind]()
     ids = repetitive_prompt(18, 5) if draft_kind == "ngram" else prompt(18, 5)
     expected = generate(target, ids, n_new, stop_token_ids=[])
     got, stats = speculative_generate(target, draft, ids, n_new, k=k, stop_token_ids=[], return_stats=True)
@@ -386,9 +390,10 @@ def test_prompt_lookup(case):
 # ------------------------------------------------------------------ ungraded: the full matrix
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_matrix(variant):
-    """Every attention variant, k = 1..6, model and n-gram drafts: identical to generate, caches exact."""
+    """Every attention variant, k = 1..6, model (own cache or the target's) and n-gram drafts: identical
+    to generate, and the target's cache holds exactly the accepted tokens."""
     for k in range(1, 7):
-        for draft_kind in ("model", "ngram"):
+        for draft_kind in ("model", "shared", "ngram"):
             run_greedy(variant, k, draft_kind, n_new=16)
 
 
@@ -398,6 +403,32 @@ def test_greedy_identical_draft_accepts_everything():
     got, stats = speculative_generate(target, target, ids, 21, k=4, stop_token_ids=[], return_stats=True)
     check_tokens("draft = target", got, generate(target, ids, 21, stop_token_ids=[]))
     assert stats.rejected == 0 and stats.target_passes == 5 and stats.tokens_per_pass == pytest.approx(21 / 5)
+
+
+@pytest.mark.parametrize("variant", ["gqa", "sliding", "mla"])
+def test_the_target_as_a_shared_cache_draft_accepts_everything(variant):
+    """Drafting on the target's own cache with the target's own weights proposes the target's greedy
+    tokens: every draft accepted (a draft reading the wrong steps of the cache would be rejected)."""
+    target = tiny_model(variant)
+    ids = prompt(10, 1)
+    drafter = spec.ModelDraft(target, share_cache=True)
+    got, stats = speculative_generate(target, drafter, ids, 21, k=4, stop_token_ids=[], return_stats=True)
+    check_tokens(
+        f"{variant}: target drafting on its own cache", got, generate(target, ids, 21, stop_token_ids=[])
+    )
+    assert stats.rejected == 0 and stats.target_passes == 5, (
+        f"{variant}: {stats.rejected} rejections in {stats.target_passes} passes, expected 0 in 5"
+    )
+    assert stats.caches["draft"] is stats.caches["target"]
+
+
+def test_a_shared_cache_needs_the_targets_cache_shapes():
+    target = tiny_model("gqa")
+    for other in (tiny_model("mqa"), tiny_model("gqa", n_layers=3), tiny_model("mla")):
+        with pytest.raises(ValueError, match="share_cache"):
+            speculative_generate(target, spec.ModelDraft(other, share_cache=True), prompt(8, 0), 4, k=2)
+    with pytest.raises(ValueError, match="attach"):
+        spec.ModelDraft(target, share_cache=True).propose(prompt(4, 0), 2, spec.Sampling())
 
 
 def test_draft_cache_matches_what_it_fed():
@@ -463,12 +494,13 @@ def target_joint(target, ids, top_k=None, top_p=None) -> torch.Tensor:
     return joint
 
 
-def e2e_counts(target, draft, ids, n_runs, **settings) -> torch.Tensor:
+def e2e_counts(target, draft, ids, n_runs, share_cache=False, **settings) -> torch.Tensor:
     V = target.config.vocab_size
     counts = torch.zeros(V, V)
+    drafter = spec.ModelDraft(draft, share_cache=share_cache)
     for seed in range(n_runs):
         out = speculative_generate(
-            target, draft, ids, 3, k=2, temperature=1.0, seed=seed, stop_token_ids=[], **settings
+            target, drafter, ids, 3, k=2, temperature=1.0, seed=seed, stop_token_ids=[], **settings
         )
         counts[int(out[0]), int(out[1])] += 1
     return counts
@@ -478,6 +510,7 @@ def e2e_counts(target, draft, ids, n_runs, **settings) -> torch.Tensor:
     "settings,n",
     [
         ({}, 400),
+        (dict(share_cache=True), 400),  # the draft drafts on the target's cache
         pytest.param({}, 3000, marks=pytest.mark.slow),
         pytest.param(dict(top_k=3), 3000, marks=pytest.mark.slow),
         pytest.param(dict(top_p=0.8), 3000, marks=pytest.mark.slow),
@@ -490,7 +523,7 @@ def test_first_two_tokens_follow_target(settings, n):
     target, draft = e2e_models()
     ids = torch.tensor([1, 3, 0])
     counts = e2e_counts(target, draft, ids, n, **settings)
-    expected = target_joint(target, ids, **settings)
+    expected = target_joint(target, ids, **{key: v for key, v in settings.items() if key != "share_cache"})
     stat, pvalue = chi_square_pvalue(counts, expected)
     assert pvalue > P_MIN, (
         f"{settings}: joint frequencies of the first two tokens {(counts / n).flatten().tolist()} vs the "
@@ -588,13 +621,15 @@ def test_benchmark_library_on_tiny_models():
     from cs336_inference import spec_bench
 
     target = tiny_model("gqa")
-    drafts = {"ngram": "ngram", "model": perturbed(target, 0.3)}
+    model = perturbed(target, 0.3)
+    drafts = {"ngram": "ngram", "model": model, "shared": spec.ModelDraft(model, share_cache=True)}
     workloads = {"repeat": [repetitive_prompt(20, 1)], "random": [prompt(12, 2)]}
     result = spec_bench.speculative_benchmark(
         target, drafts, workloads, [1, 3], 12, [], runs=1, log=lambda m: None
     )
     rows = result["rows"]
-    assert len(rows) == 2 * 2 * 2 and all(r["identical"] for r in rows)
+    assert len(rows) == 2 * 3 * 2 and all(r["identical"] for r in rows)
+    assert result["costs"]["draft_ratio"]["shared"] > 0 and result["costs"]["draft_ratio"]["ngram"] == 0
     for r in rows:
         assert 1.0 <= r["tokens_per_pass"] <= r["k"] + 1 and r["verify_cost"] > 0 and r["speedup"] > 0
     assert spec_bench.expected_tokens_per_pass(0.8, 4) == pytest.approx(3.3616)
