@@ -14,7 +14,8 @@ from cs336_inference.quantization import QuantizedLinear, quantize_model
 from cs336_inference.sampling import generate
 
 # (name, d_out, d_in, group_size): widths that are not multiples of the 32-wide blocks of the kernels
-# where the format allows it, and an odd number of outputs (the kernels take output rows in pairs)
+# where the format allows it, and numbers of outputs that leave a short last tile (tiles are 2, 3 or 4
+# output rows wide)
 CASES = [
     ("fp32_rows", 37, 70, None),
     ("fp32_cols", 37, 70, None),
@@ -24,6 +25,7 @@ CASES = [
     ("int4", 37, 70, 10),  # groups that are not whole 32-blocks: the scalar path
     ("int4", 33, 128, 64),  # the vector path
     ("int4", 21, 96, 32),
+    ("int4", 38, 64, 32),  # a last tile of 2 rows whether tiles are 2, 3 or 4 rows wide
     ("q8_0", 37, 96, None),
     ("q4_0", 37, 96, None),
     ("q4_1", 37, 96, None),

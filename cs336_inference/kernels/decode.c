@@ -6,9 +6,10 @@
    bitwise independent of how many rows are in the call: what speculative verification needs.
 
    Row-major kernels (W stored [O, I]: fp32, int8, int4, Q8_0, Q4_0, Q4_1) take 4 weight rows at a
-   time (2 when x has more than 4 rows, 6 with AVX-512) and decode them in registers, VL inputs (fp32,
-   int8) or one 32-block at a time, then multiply-add them into one VL-lane accumulator per (x row,
-   weight row) pair, 4 x rows at a time (6 with AVX-512's 32 registers; 8 with 2 weight rows):
+   time and decode them in registers, VL inputs (fp32, int8) or one 32-block at a time, then
+   multiply-add them into one VL-lane accumulator per (x row, weight row) pair, 4 x rows at a time.
+   With more x rows the tiles change shape (`rowmajor_mm`): 2 weight rows x 8 x rows, or with
+   AVX-512's 32 registers 4 x 6 (5 or 6 rows) and 3 x 8 (more). Every pair's sum is made the same way:
 
        accumulate in input order, sum the lanes (vsum4, a fixed tree), then the inputs past the last
        whole vector one by one.
@@ -312,7 +313,8 @@ static inline void int4_lookup(const uint8_t *row, i64 i, vf lut, vf w[2]) {
 /* ------------------------------------------------------------------ a tile: J weight rows x R rows
 
    s[r][j] = w_j . x[r] for R rows of x and the J weight rows oj[0..J-1] (J = 4 and R <= 4, or J = 2
-   and R <= 8: 16 accumulators either way, each weight vector decoded once per R rows): one vector
+   and R <= 8: 16 accumulators; with AVX-512 also J = 4 and R <= 6, J = 3 and R <= 8: 24; each weight
+   vector decoded once per R rows): one vector
    accumulator per (row, weight row) pair, VL inputs at a time in input order, its lanes summed by vsum4, then
    the inputs past the last whole vector one by one (only fp32 and int8 rows have those). The
    operations of a pair are the same whatever R is and whichever tile it is in, so a row's result
@@ -390,6 +392,17 @@ static inline __attribute__((always_inline)) void tile(const Weight *W, int fmt,
         case 5: tile(W, F, oj, xm, ldx, 4, 5, I, s); break;                                                  \
         default: tile(W, F, oj, xm, ldx, 4, 6, I, s); break;                                                 \
         }                                                                                                    \
+    else if (J == 3)                                                                                         \
+        switch (R) {                                                                                         \
+        case 1: tile(W, F, oj, xm, ldx, 3, 1, I, s); break;                                                  \
+        case 2: tile(W, F, oj, xm, ldx, 3, 2, I, s); break;                                                  \
+        case 3: tile(W, F, oj, xm, ldx, 3, 3, I, s); break;                                                  \
+        case 4: tile(W, F, oj, xm, ldx, 3, 4, I, s); break;                                                  \
+        case 5: tile(W, F, oj, xm, ldx, 3, 5, I, s); break;                                                  \
+        case 6: tile(W, F, oj, xm, ldx, 3, 6, I, s); break;                                                  \
+        case 7: tile(W, F, oj, xm, ldx, 3, 7, I, s); break;                                                  \
+        default: tile(W, F, oj, xm, ldx, 3, 8, I, s); break;                                                 \
+        }                                                                                                    \
     else                                                                                                     \
         switch (R) {                                                                                         \
         case 1: tile(W, F, oj, xm, ldx, 2, 1, I, s); break;                                                  \
@@ -433,14 +446,15 @@ static float *deinterleave_x(const float *x, i64 M, i64 I, i64 ldx) {
    tiles of TW output rows, every group of up to RG x rows against a tile's weights decoded in
    registers: TW = RG = 4 for up to 4 rows, TW = 2 and RG = 8 for more, so a weight vector is decoded
    once per 8 rows rather than per 4 (5 rows: once instead of twice; measured faster than decoding a
-   tile once into an L1 buffer and reloading it per group). With AVX-512, 5 or 6 rows keep TW = 4
-   (RG = 6: 24 of the 32 registers accumulate): all SmolLM2 products at 5 and 6 rows took 0.90-0.94x
-   the time of TW = 2 in fp32 and int4 (Intel Xeon, one interleaved A/B run). int4 with groups that are not whole
+   tile once into an L1 buffer and reloading it per group). With AVX-512 (32 registers), 5 or 6 rows
+   keep TW = 4 with RG = 6 and more rows take TW = 3, RG = 8 (24 accumulators either way): all SmolLM2
+   products took 0.90-0.94x the time of TW = 2 at 5 to 7 rows in fp32 and int4, 0.91x (fp32) at 8
+   and 0.95x at 9 and 16 (Intel Xeon, interleaved A/B runs). int4 with groups that are not whole
    vectors is dequantized once into an L1 buffer instead, which then serves as an fp32 tile. */
 static void rowmajor_mm(const Weight *W, const float *x, i64 M, i64 I, i64 ldx, i64 O, const float *bias,
                         float *y, int threads) {
 #if VL == 16 /* 32 vector registers: 4 weight rows against up to 6 x rows (24 accumulators) */
-    const int TW = M > 6 ? 2 : 4, RG = M > 6 ? 8 : M > 4 ? 6 : 4;
+    const int TW = M > 6 ? 3 : 4, RG = M > 6 ? 8 : M > 4 ? 6 : 4;
 #else
     const int TW = M > 4 ? 2 : 4, RG = M > 4 ? 8 : 4;
 #endif
