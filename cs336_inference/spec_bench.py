@@ -4,7 +4,9 @@ For each workload (a list of prompts), draft and k, `speculative_benchmark` runs
 speculative decoding and plain `generate` on the same prompts in the same process and reports
 
     alpha            accepted / examined drafts, pooled over the workload's prompts
-    tokens/pass      new tokens / target passes, next to the formula (1 - a^(k+1)) / (1 - a)
+    tokens/pass      new tokens / target passes, next to the formula (1 - a^(k+1)) / (1 - a), and
+                     the formula averaged over the rounds with each round's own number of drafts d
+                     in place of k ("drafted": prompt lookup drafts fewer than k tokens, or none)
     verify cost      time of a (k+1)-token target forward with the cache / a 1-token step
     draft cost       time of a 1-token draft step / a 1-token target step (0 for prompt lookup)
     predicted        tokens/pass / (verify cost + k * draft cost), in units of one target step
@@ -59,6 +61,12 @@ WORKLOADS = {"chat": CHAT_PROMPTS, "rewrite": REWRITE_PROMPTS}
 def expected_tokens_per_pass(alpha: float, k: int) -> float:
     """(1 - a^(k+1)) / (1 - a): the expected tokens per target pass for acceptance a (k + 1 at a = 1)."""
     return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def expected_tokens_per_pass_drafted(alpha: float, round_drafts: list[int]) -> float:
+    """The formula with each round's own number of drafts d (prompt lookup drafts fewer than k, none
+    without a match; the last rounds never draft past max_new_tokens): mean of (1 - a^(d+1)) / (1 - a)."""
+    return sum(expected_tokens_per_pass(alpha, d) for d in round_drafts) / len(round_drafts)
 
 
 @torch.inference_mode()
@@ -159,7 +167,7 @@ def speculative_benchmark(
         for dname, draft in drafts.items():
             for k in ks:
                 new = passes = accepted = rejected = drafted = 0
-                spec_s, identical = 0.0, True
+                spec_s, identical, round_drafts = 0.0, True, []
                 for ids, ref in zip(prompts, base_tokens, strict=True):
                     (out, stats), seconds = _timed(
                         lambda ids=ids, k=k, draft=draft: speculative_generate(
@@ -180,6 +188,7 @@ def speculative_benchmark(
                     accepted += stats.accepted
                     rejected += stats.rejected
                     drafted += stats.drafted
+                    round_drafts += stats.round_drafts
                 alpha = accepted / (accepted + rejected) if accepted + rejected else float("nan")
                 tpp = new / passes
                 round_cost = costs["verify_ratio"][k] + k * draft_ratio[dname]
@@ -190,6 +199,9 @@ def speculative_benchmark(
                     alpha=alpha,
                     tokens_per_pass=tpp,
                     predicted_tokens_per_pass=expected_tokens_per_pass(alpha, k) if alpha == alpha else None,
+                    predicted_tokens_per_pass_drafted=(
+                        expected_tokens_per_pass_drafted(alpha, round_drafts) if alpha == alpha else None
+                    ),
                     verify_cost=costs["verify_ratio"][k],
                     draft_cost=draft_ratio[dname],
                     predicted_speedup=tpp / round_cost,
@@ -211,16 +223,18 @@ def speculative_benchmark(
 def format_table(rows: list[dict]) -> str:
     """A markdown table of the rows."""
     head = (
-        "| workload | draft | k | alpha | tokens/pass | formula | verify cost | draft cost | "
+        "| workload | draft | k | alpha | tokens/pass | formula | formula, drafted | verify cost | draft cost | "
         "predicted speedup | speedup | identical |\n"
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
     )
     lines = [head]
     for r in rows:
         formula = "–" if r["predicted_tokens_per_pass"] is None else f"{r['predicted_tokens_per_pass']:.2f}"
+        drafted = r.get("predicted_tokens_per_pass_drafted")
+        drafted = "–" if drafted is None else f"{drafted:.2f}"
         lines.append(
             f"| {r['workload']} | {r['draft']} | {r['k']} | {r['alpha']:.2f} | {r['tokens_per_pass']:.2f} | "
-            f"{formula} | {r['verify_cost']:.2f} | {r['draft_cost']:.2f} | {r['predicted_speedup']:.2f}x | "
+            f"{formula} | {drafted} | {r['verify_cost']:.2f} | {r['draft_cost']:.2f} | {r['predicted_speedup']:.2f}x | "
             f"{r['speedup']:.2f}x | {'yes' if r['identical'] else 'NO'} |"
         )
     return "\n".join(lines)

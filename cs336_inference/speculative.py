@@ -323,6 +323,7 @@ class SpeculativeStats:
     drafted: int = 0
     accepted: int = 0
     rejected: int = 0
+    round_drafts: list[int] = field(default_factory=list, repr=False)  # tokens drafted, round by round
     caches: dict = field(default_factory=dict, repr=False)  # for tests: {"target": KVCache, ...}
 
     @property
@@ -335,7 +336,7 @@ class SpeculativeStats:
         return self.new_tokens / self.target_passes if self.target_passes else float("nan")
 
     def as_dict(self) -> dict:
-        d = {key: value for key, value in asdict(self).items() if key != "caches"}
+        d = {key: value for key, value in asdict(self).items() if key not in ("caches", "round_drafts")}
         return {**d, "alpha": self.alpha, "tokens_per_pass": self.tokens_per_pass}
 
 
@@ -465,6 +466,7 @@ def _rounds(
         )
         stats.target_passes += 1
         stats.drafted += len(drafts)
+        stats.round_drafts.append(len(drafts))
         stats.accepted += len(new) - 1
         stats.rejected += int(len(new) - 1 < len(drafts))
         context[n : n + len(new)] = new

@@ -403,6 +403,7 @@ def test_greedy_identical_draft_accepts_everything():
     got, stats = speculative_generate(target, target, ids, 21, k=4, stop_token_ids=[], return_stats=True)
     check_tokens("draft = target", got, generate(target, ids, 21, stop_token_ids=[]))
     assert stats.rejected == 0 and stats.target_passes == 5 and stats.tokens_per_pass == pytest.approx(21 / 5)
+    assert stats.round_drafts == [4, 4, 4, 4, 0], f"drafts per round {stats.round_drafts}"  # never past 21
 
 
 @pytest.mark.parametrize("variant", ["gqa", "sliding", "mla"])
@@ -634,6 +635,9 @@ def test_benchmark_library_on_tiny_models():
         assert 1.0 <= r["tokens_per_pass"] <= r["k"] + 1 and r["verify_cost"] > 0 and r["speedup"] > 0
     assert spec_bench.expected_tokens_per_pass(0.8, 4) == pytest.approx(3.3616)
     assert spec_bench.expected_tokens_per_pass(1.0, 4) == 5.0
+    assert spec_bench.expected_tokens_per_pass_drafted(0.5, [0, 2]) == pytest.approx((1 + 1.75) / 2)
+    for r in rows:  # rounds drafting fewer than k tokens can only lower the formula
+        assert r["predicted_tokens_per_pass_drafted"] <= r["predicted_tokens_per_pass"] + 1e-9, r
     table = spec_bench.format_table(rows)
     assert table.count("\n") == len(rows) + 1 and "| repeat | ngram | 3 |" in table
 
