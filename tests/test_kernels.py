@@ -119,6 +119,40 @@ def test_forward_equals_the_reference_for_1_to_32_rows(request, mode, name, d_ou
                     assert torch.equal(direct, y), f"{what}: the layer did not use the kernel"
 
 
+QUANTIZED_CASES = [case for case in CASES if not case[0].startswith("fp32")]
+
+
+@pytest.mark.parametrize(
+    ("name", "d_out", "d_in", "group_size"),
+    QUANTIZED_CASES,
+    ids=[IDS[CASES.index(c)] for c in QUANTIZED_CASES],
+)
+def test_a_short_quantized_prefill_runs_the_kernel_32_rows_at_a_time(
+    kernels_on, name, d_out, d_in, group_size
+):
+    """More than MAX_ROWS rows (a prompt): quantized layers call the kernel on 32 rows at a time up to
+    QUANTIZED_MAX_ROWS rows (each row as if alone), and decline beyond (the readable path runs)."""
+    from cs336_inference.kernels import ops
+
+    layer, kernel, w64, b64 = make_layer(name, d_out, d_in, group_size)
+    with torch.inference_mode():
+        for M, layout in ((70, "contiguous"), (70, "strided_rows"), (33, "transposed")):
+            x = inputs(M, d_in, layout, seed=M)
+            what = f"{name}, M={M}, {layout} x"
+            y = kernel(x)
+            assert y is not None, f"{what}: the kernel declined"
+            assert_close_to_reference(y, x, w64, b64, what)
+            rows = x.reshape(-1, d_in)
+            alone = torch.cat([kernel(rows[m : m + 1]) for m in (0, 31, 32, M - 1)])
+            got = y.reshape(-1, d_out)[[0, 31, 32, M - 1]]
+            assert torch.equal(got, alone), f"{what}: rows 0, 31, 32, {M - 1} differ from the rows run alone"
+        too_many = inputs(ops.QUANTIZED_MAX_ROWS + 1, d_in, "contiguous")
+        assert kernel(too_many) is None, (
+            f"{name}: {ops.QUANTIZED_MAX_ROWS + 1} rows should take the readable path"
+        )
+        assert_close_to_reference(layer(too_many), too_many, w64, b64, f"{name}, readable path")
+
+
 @pytest.fixture
 def native_ops(kernels_on):
     """The C++ op bodies (kernels/native.cpp) loaded next to the Python ones; skipped if they cannot
@@ -326,8 +360,11 @@ def test_the_int8_activation_kernel_without_vnni_gives_the_same_bits(march):
 
 def test_prefill_and_autograd_stay_on_the_pytorch_path(kernels_on):
     layer, _, _, _ = make_layer("int8", 37, 70, None)
+    x = torch.randn(kernels.QUANTIZED_MAX_ROWS + 1, 70)
+    assert kernels.quantized_linear(layer, x) is None, f"{len(x)} rows: a long prefill stays on BLAS"
+    fp32 = torch.randn(37, 70)
     x = torch.randn(kernels.MAX_ROWS + 1, 70)
-    assert kernels.quantized_linear(layer, x) is None, f"{kernels.MAX_ROWS + 1} rows: prefill stays on BLAS"
+    assert kernels.linear_fp32(x, fp32) is None, f"{len(x)} rows: an fp32 prefill stays on BLAS"
     lin = Linear(70, 37)  # requires_grad weights, grad mode on: the kernel must not cut the graph
     y = lin(torch.randn(2, 70))
     assert y.requires_grad and y.grad_fn is not None

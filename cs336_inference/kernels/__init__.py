@@ -24,17 +24,20 @@ cuda.py     GPU weight-only products for bf16 activations: int4 through tinygemm
 triton_int8.py  a Triton kernel that reads the int8 weight once
 
 quantization.linear.KERNELS is filled from QUANTIZED; layers.Linear calls `decode_linear`.
-Prefill (more than 32 rows) stays on BLAS. 32 covers a speculative verification of up to 31 drafts.
+An fp32 prefill (more than 32 rows) stays on BLAS. 32 covers a speculative verification of up to 31
+drafts. Quantized layers run up to QUANTIZED_MAX_ROWS rows (a short prompt) 32 at a time through the
+kernels, since their readable path dequantizes every weight first; longer prompts take it.
 """
 
 from .build import enabled, library
 from .layout import decode_linear
-from .ops import MAX_ROWS, linear_fp32, llm_int8_linear, quantized_linear
+from .ops import MAX_ROWS, QUANTIZED_MAX_ROWS, linear_fp32, llm_int8_linear, quantized_linear
 
 QUANTIZED = {fmt: quantized_linear for fmt in ("int8", "int4", "q8_0", "q4_0", "q4_1")}
 
 __all__ = [
     "MAX_ROWS",
+    "QUANTIZED_MAX_ROWS",
     "QUANTIZED",
     "decode_linear",
     "enabled",

@@ -23,13 +23,19 @@ from torch import Tensor
 from . import build
 from .cuda import quantized_cuda
 
-MAX_ROWS = 32  # more rows (prefill) stay on BLAS; 32 = MAX_M of decode.c
+MAX_ROWS = 32  # more fp32 rows (prefill) stay on BLAS; 32 = MAX_M of decode.c
+# Quantized layers run a short prefill through the kernels too, MAX_ROWS rows per call: the readable
+# path dequantizes every weight first (about 150 ms for SmolLM2), which BLAS then wins back only on long
+# prompts. Eager SmolLM2 prefill, kernels / readable: 0.27-0.48x at 40 tokens, 0.59-0.88x at 120,
+# 0.99-1.30x at 400 (int8, int4, q4_0; Intel Xeon, 2 threads, /work/scratch/qprefill.py in the notes).
+QUANTIZED_MAX_ROWS = 160
 GGML = {"q8_0": 3, "q4_0": 4, "q4_1": 5}  # the format codes of decode.c
 
 
-def _rows(x: Tensor, d_in: int, needs_grad: bool) -> tuple[Tensor, int, int] | None:
+def _rows(x: Tensor, d_in: int, needs_grad: bool, max_rows: int = MAX_ROWS) -> tuple[Tensor, int, int] | None:
     """(x, M, ldx): x as M rows of d_in float32 numbers, row i at x.data_ptr() + 4 * i * ldx; None if
-    this is not a decode-shaped call."""
+    this is not a call for the kernels (more than max_rows rows, or not float32 on the CPU, or needing
+    autograd)."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != d_in:
         return None
     if (needs_grad or x.requires_grad) and torch.is_grad_enabled():
@@ -41,7 +47,7 @@ def _rows(x: Tensor, d_in: int, needs_grad: bool) -> tuple[Tensor, int, int] | N
         M, ldx = x.shape[0], x.stride(0)
     else:
         M, ldx = x.numel() // d_in, d_in
-    return (x, M, ldx) if 1 <= M <= MAX_ROWS else None
+    return (x, M, ldx) if 1 <= M <= max_rows else None
 
 
 def linear_fp32(
@@ -102,26 +108,34 @@ def quantized_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"]
     lib = build.library()
     if lib is None:
         return None
-    rows = _rows(x, layer.d_in, False)
+    compiling = torch.compiler.is_compiling()  # the compiled ops take up to MAX_ROWS rows
+    rows = _rows(x, layer.d_in, False, MAX_ROWS if compiling else QUANTIZED_MAX_ROWS)
     fmt, bias = layer.fmt, layer.bias
     if rows is None or (bias is not None and bias.dtype != torch.float32) or fmt not in FORMAT_CODES:
         return None
     if fmt == "int4" and layer.scale.dtype != torch.float16:
         return None
     scale, zero = getattr(layer, "scale", None), getattr(layer, "zero", None)
-    if torch.compiler.is_compiling():
+    if compiling:
         return _compiled_ops().quantized(x, layer.qweight, scale, zero, bias, FORMAT_CODES[fmt], layer.d_out)
     return _quantized_call(lib, rows, x, layer.qweight, scale, zero, bias, fmt, layer.d_out)
 
 
 def _quantized_call(lib, rows, x, q, scale, zero, bias, fmt: str, d_out: int) -> Tensor:
     x2, M, ldx = rows
-    d_in, threads = x.shape[-1], torch.get_num_threads()
-    bias = None if bias is None else bias.data_ptr()
     y = torch.empty(*x.shape[:-1], d_out)
+    for m in range(0, M, MAX_ROWS):  # a prefill: MAX_ROWS rows per call, each reading the weights once
+        _quantized_rows(lib, x2.data_ptr() + 4 * m * ldx, min(MAX_ROWS, M - m), x.shape[-1], ldx,
+                        q, scale, zero, bias, fmt, d_out, y.data_ptr() + 4 * m * d_out)  # fmt: skip
+    return y
+
+
+def _quantized_rows(lib, x_ptr, M, d_in, ldx, q, scale, zero, bias, fmt: str, d_out: int, y_ptr) -> None:
+    threads = torch.get_num_threads()
+    bias = None if bias is None else bias.data_ptr()
     if fmt == "int8":
         lib.cs336_int8(
-            x2.data_ptr(),
+            x_ptr,
             M,
             d_in,
             ldx,
@@ -129,19 +143,16 @@ def _quantized_call(lib, rows, x, q, scale, zero, bias, fmt: str, d_out: int) ->
             scale.data_ptr(),
             d_out,
             bias,
-            y.data_ptr(),
+            y_ptr,
             threads,
         )
     elif fmt == "int4":
         lib.cs336_int4(
-            x2.data_ptr(), M, d_in, ldx, q.data_ptr(), scale.data_ptr(), zero.data_ptr(), scale.shape[1], d_out,
-            bias, y.data_ptr(), threads,
+            x_ptr, M, d_in, ldx, q.data_ptr(), scale.data_ptr(), zero.data_ptr(), scale.shape[1], d_out,
+            bias, y_ptr, threads,
         )  # fmt: skip
     else:
-        lib.cs336_ggml(
-            GGML[fmt], x2.data_ptr(), M, d_in, ldx, q.data_ptr(), d_out, bias, y.data_ptr(), threads
-        )
-    return y
+        lib.cs336_ggml(GGML[fmt], x_ptr, M, d_in, ldx, q.data_ptr(), d_out, bias, y_ptr, threads)
 
 
 FORMAT_CODES = {"int8": 1, "int4": 2, **GGML}
