@@ -495,7 +495,8 @@ def speculative_generate(
     """Generate up to max_new_tokens tokens of one prompt from `target`, drafting k tokens per round.
 
     draft: a TransformerLM with the target's vocabulary, "ngram" / an NGramDraft (prompt lookup), or any
-    object with the `Draft` methods. The output is an exact sample of what `generate(target, ...)`
+    object with the `Draft` methods (e.g. `ModelDraft(model, share_cache=True)`: a draft with the
+    target's cache shapes drafting on the target's KV cache). The output is an exact sample of what `generate(target, ...)`
     samples with the same settings (and identical to it at temperature 0); only the number of target
     passes changes. Returns a 1-D LongTensor of new tokens (a stop token, by default the config's EOS
     ids, ends it and is kept), and with return_stats=True also a SpeculativeStats.

@@ -25,10 +25,9 @@ from .cuda import quantized_cuda
 
 MAX_ROWS = 32  # more fp32 rows (prefill) stay on BLAS; 32 = MAX_M of decode.c
 # Quantized layers run a short prefill through the kernels too, MAX_ROWS rows per call: the readable
-# path dequantizes every weight first (about 150 ms for SmolLM2), which BLAS then wins back only on long
-# prompts. Eager SmolLM2 prefill, kernels / readable: 0.27-0.48x at 40 tokens, 0.59-0.88x at 120,
-# 0.99-1.30x at 400 (int8, int4, q4_0; Intel Xeon, 2 threads, /work/scratch/qprefill.py in the notes).
-QUANTIZED_MAX_ROWS = 160
+# path dequantizes every weight on every call first, which BLAS wins back only on long
+# prompts (README, "Decode kernels": the measurement and its snippet).
+QUANTIZED_MAX_ROWS = 96
 GGML = {"q8_0": 3, "q4_0": 4, "q4_1": 5}  # the format codes of decode.c
 
 
