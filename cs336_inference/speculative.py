@@ -246,7 +246,10 @@ class ModelDraft:
     def propose(self, context: Int[Tensor, " S"], k: int, sampling: Sampling) -> tuple[Tensor, Tensor | None]:
         cache = self.cache
         if cache is None:
-            raise ValueError("a ModelDraft with share_cache=True needs attach(target_cache, target) first")
+            raise ValueError(
+                "the draft has no cache yet: call reset(capacity, k)"
+                + (", then attach(target_cache, target) (share_cache=True)" if self.share_cache else "")
+            )
         if self.share_cache:  # the target's cache holds every context token but the newest
             if cache.pos != len(context) - 1:
                 raise ValueError(f"the shared cache holds {cache.pos} steps, expected {len(context) - 1}")
