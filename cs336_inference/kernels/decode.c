@@ -382,38 +382,26 @@ static inline __attribute__((always_inline)) void tile(const Weight *W, int fmt,
 }
 
 #define MAX_M 32
+/* one specialized copy of `tile` per format, tile width JJ and number of rows (J = 4 runs at most 6 rows) */
+#define TILE_J(F, JJ)                                                                                        \
+    switch (R) {                                                                                             \
+    case 1: tile(W, F, oj, xm, ldx, JJ, 1, I, s); break;                                                     \
+    case 2: tile(W, F, oj, xm, ldx, JJ, 2, I, s); break;                                                     \
+    case 3: tile(W, F, oj, xm, ldx, JJ, 3, I, s); break;                                                     \
+    case 4: tile(W, F, oj, xm, ldx, JJ, 4, I, s); break;                                                     \
+    case 5: tile(W, F, oj, xm, ldx, JJ, 5, I, s); break;                                                     \
+    case 6: tile(W, F, oj, xm, ldx, JJ, 6, I, s); break;                                                     \
+    case 7: tile(W, F, oj, xm, ldx, JJ, 7, I, s); break;                                                     \
+    default: tile(W, F, oj, xm, ldx, JJ, 8, I, s); break;                                                    \
+    }
 #define TILE_R(F)                                                                                            \
-    if (J == 4) /* one specialized copy per format, tile width and number of rows */                         \
-        switch (R) {                                                                                         \
-        case 1: tile(W, F, oj, xm, ldx, 4, 1, I, s); break;                                                  \
-        case 2: tile(W, F, oj, xm, ldx, 4, 2, I, s); break;                                                  \
-        case 3: tile(W, F, oj, xm, ldx, 4, 3, I, s); break;                                                  \
-        case 4: tile(W, F, oj, xm, ldx, 4, 4, I, s); break;                                                  \
-        case 5: tile(W, F, oj, xm, ldx, 4, 5, I, s); break;                                                  \
-        default: tile(W, F, oj, xm, ldx, 4, 6, I, s); break;                                                 \
-        }                                                                                                    \
-    else if (J == 3)                                                                                         \
-        switch (R) {                                                                                         \
-        case 1: tile(W, F, oj, xm, ldx, 3, 1, I, s); break;                                                  \
-        case 2: tile(W, F, oj, xm, ldx, 3, 2, I, s); break;                                                  \
-        case 3: tile(W, F, oj, xm, ldx, 3, 3, I, s); break;                                                  \
-        case 4: tile(W, F, oj, xm, ldx, 3, 4, I, s); break;                                                  \
-        case 5: tile(W, F, oj, xm, ldx, 3, 5, I, s); break;                                                  \
-        case 6: tile(W, F, oj, xm, ldx, 3, 6, I, s); break;                                                  \
-        case 7: tile(W, F, oj, xm, ldx, 3, 7, I, s); break;                                                  \
-        default: tile(W, F, oj, xm, ldx, 3, 8, I, s); break;                                                 \
-        }                                                                                                    \
-    else                                                                                                     \
-        switch (R) {                                                                                         \
-        case 1: tile(W, F, oj, xm, ldx, 2, 1, I, s); break;                                                  \
-        case 2: tile(W, F, oj, xm, ldx, 2, 2, I, s); break;                                                  \
-        case 3: tile(W, F, oj, xm, ldx, 2, 3, I, s); break;                                                  \
-        case 4: tile(W, F, oj, xm, ldx, 2, 4, I, s); break;                                                  \
-        case 5: tile(W, F, oj, xm, ldx, 2, 5, I, s); break;                                                  \
-        case 6: tile(W, F, oj, xm, ldx, 2, 6, I, s); break;                                                  \
-        case 7: tile(W, F, oj, xm, ldx, 2, 7, I, s); break;                                                  \
-        default: tile(W, F, oj, xm, ldx, 2, 8, I, s); break;                                                 \
-        }
+    if (J == 4) {                                                                                            \
+        TILE_J(F, 4)                                                                                         \
+    } else if (J == 3) {                                                                                     \
+        TILE_J(F, 3)                                                                                         \
+    } else {                                                                                                 \
+        TILE_J(F, 2)                                                                                         \
+    }
 
 static void tile_any(const Weight *W, const i64 oj[4], const float *xm, i64 ldx, int J, int R, i64 I,
                      float s[][4]) {
