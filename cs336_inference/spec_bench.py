@@ -136,14 +136,13 @@ def speculative_benchmark(
     costs = pass_costs(target, first, sorted(set(ks)), runs, log, step_mode)
     draft_ratio = {}
     for name, draft in drafts.items():
-        if isinstance(draft, ModelDraft) and draft.share_cache:  # one-token steps only, on any cache
-            draft_ratio[name] = forward_cost(draft.model, first, 1, runs, step_mode) / costs["step_s"]
-            log(f"  draft {name}: one step = {draft_ratio[name]:.2f}x a target step (on the target's cache)")
-        elif isinstance(draft, TransformerLM):
-            draft_ratio[name] = forward_cost(draft, first, 1, runs, step_mode) / costs["step_s"]
-            if step_mode is not None:
+        model = draft.model if isinstance(draft, ModelDraft) else draft
+        if isinstance(model, TransformerLM):
+            draft_ratio[name] = forward_cost(model, first, 1, runs, step_mode) / costs["step_s"]
+            shared = isinstance(draft, ModelDraft) and draft.share_cache  # then one-token steps only
+            if step_mode is not None and not shared:
                 # its 2-token step (a round after all k were accepted) compiles here, not in a timed run
-                forward_cost(draft, first, 2, 1, step_mode)
+                forward_cost(model, first, 2, 1, step_mode)
             log(f"  draft {name}: one step = {draft_ratio[name]:.2f}x a target step")
         else:
             draft_ratio[name] = 0.0

@@ -233,9 +233,9 @@ class ModelDraft:
             self.forward = FixedShapes(self.model, self.cache, 2, self.step_mode)
         self.fed = torch.empty(0, dtype=torch.long, device=self.model.embed.weight.device)
 
-    def attach(self, cache: KVCache, target: TransformerLM) -> None:
-        """share_cache: draft on `target`'s cache from now on (ValueError if its shapes differ)."""
-        check_shared_cache(self.model, target)
+    def attach(self, cache: KVCache) -> None:
+        """share_cache: draft on the target's `cache` from now on (`check_shared_cache` says whether
+        the draft may: speculative_generate checks it with its arguments)."""
         self.cache, self.forward = cache, self.model
         if self.step_mode is not None:
             from .kernels.graphs import FixedShapes
@@ -248,7 +248,7 @@ class ModelDraft:
         if cache is None:
             raise ValueError(
                 "the draft has no cache yet: call reset(capacity, k)"
-                + (", then attach(target_cache, target) (share_cache=True)" if self.share_cache else "")
+                + (", then attach(target_cache) (share_cache=True)" if self.share_cache else "")
             )
         if self.share_cache:  # the target's cache holds every context token but the newest
             if cache.pos != len(context) - 1:
@@ -380,8 +380,9 @@ def _check_args(target, draft, prompt_ids, max_new_tokens, k, temperature, top_k
             f"prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context window "
             f"of {cfg.max_seq_len} tokens"
         )
-    if isinstance(draft, TransformerLM):
-        dcfg = draft.config
+    draft_model = draft.model if isinstance(draft, ModelDraft) else draft
+    if isinstance(draft_model, TransformerLM):
+        dcfg = draft_model.config
         if dcfg.vocab_size != cfg.vocab_size:
             raise ValueError(
                 f"the draft's vocabulary ({dcfg.vocab_size} tokens) differs from the target's ({cfg.vocab_size})"
@@ -391,6 +392,8 @@ def _check_args(target, draft, prompt_ids, max_new_tokens, k, temperature, top_k
                 f"prompt ({P}) + max_new_tokens ({max_new_tokens}) exceeds the draft's context window "
                 f"of {dcfg.max_seq_len} tokens"
             )
+    if isinstance(draft, ModelDraft) and draft.share_cache:
+        check_shared_cache(draft.model, target)
     return ids
 
 
@@ -440,7 +443,7 @@ def _rounds(
     stats.caches["target"] = cache
     if isinstance(drafter, ModelDraft):
         if drafter.share_cache:
-            drafter.attach(cache, target.model if step_mode is not None else target)
+            drafter.attach(cache)
         stats.caches["draft"] = drafter.cache
     if P > 1:
         target(ids[None, :-1], cache=cache, last_only=True)  # prefill all but the newest token

@@ -238,25 +238,24 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as e:
                 raise UsageError(f"--compile: {e}") from None
         if args.draft_shares_cache:
-            from cs336_inference.speculative import ModelDraft, check_shared_cache
+            from cs336_inference.speculative import ModelDraft
 
-            try:
-                check_shared_cache(draft, model)
-            except ValueError as e:
-                raise UsageError(f"--draft-shares-cache: {e}") from None
             draft = ModelDraft(draft, "compile" if args.compile else None, share_cache=True)
         spec_stats = SpeculativeStats(k=args.speculate_k)
-        tokens = speculative_stream(
-            model,
-            draft,
-            prompt_ids,
-            max_new,
-            args.speculate_k,
-            **sampling,
-            stop_token_ids=stop_ids,
-            stats=spec_stats,
-            step_mode="compile" if args.compile else None,
-        )
+        try:  # the arguments are checked here, before the first round
+            tokens = speculative_stream(
+                model,
+                draft,
+                prompt_ids,
+                max_new,
+                args.speculate_k,
+                **sampling,
+                stop_token_ids=stop_ids,
+                stats=spec_stats,
+                step_mode="compile" if args.compile else None,
+            )
+        except ValueError as e:
+            raise UsageError(f"--draft: {e}") from None
     for token_id in tokens:
         t_last = time.perf_counter()
         t_first = t_first or t_last

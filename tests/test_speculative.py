@@ -601,6 +601,8 @@ def test_bad_inputs():
         speculative_generate(target, NGramDraft(), ids, 4, k=0)
     with pytest.raises(ValueError, match="vocabulary"):
         speculative_generate(target, other_vocab, ids, 4)
+    with pytest.raises(ValueError, match="vocabulary"):  # a model wrapped as a draft is checked too
+        speculative_generate(target, spec.ModelDraft(other_vocab), ids, 4)
     with pytest.raises(ValueError, match="context window"):
         speculative_generate(target, NGramDraft(), prompt(94, 0), 1, k=4)
     with pytest.raises(ValueError, match="context window"):

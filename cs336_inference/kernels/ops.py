@@ -123,15 +123,17 @@ def quantized_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"]
 def _quantized_call(lib, rows, x, q, scale, zero, bias, fmt: str, d_out: int) -> Tensor:
     x2, M, ldx = rows
     y = torch.empty(*x.shape[:-1], d_out)
+    bias, threads = None if bias is None else bias.data_ptr(), torch.get_num_threads()
     for m in range(0, M, MAX_ROWS):  # a prefill: MAX_ROWS rows per call, each reading the weights once
         _quantized_rows(lib, x2.data_ptr() + 4 * m * ldx, min(MAX_ROWS, M - m), x.shape[-1], ldx,
-                        q, scale, zero, bias, fmt, d_out, y.data_ptr() + 4 * m * d_out)  # fmt: skip
+                        q, scale, zero, bias, fmt, d_out, y.data_ptr() + 4 * m * d_out, threads)  # fmt: skip
     return y
 
 
-def _quantized_rows(lib, x_ptr, M, d_in, ldx, q, scale, zero, bias, fmt: str, d_out: int, y_ptr) -> None:
-    threads = torch.get_num_threads()
-    bias = None if bias is None else bias.data_ptr()
+def _quantized_rows(
+    lib, x_ptr, M, d_in, ldx, q, scale, zero, bias, fmt: str, d_out: int, y_ptr, threads
+) -> None:
+    """One C call on M <= MAX_ROWS rows: x and y as data pointers, bias a data pointer or None."""
     if fmt == "int8":
         lib.cs336_int8(
             x_ptr,
