@@ -10,7 +10,8 @@ speculative decoding and plain `generate` on the same prompts in the same proces
     verify cost      time of a (k+1)-token target forward with the cache / a 1-token step
     draft cost       time of a 1-token draft step / a 1-token target step (0 for prompt lookup)
     predicted        tokens/pass / (verify cost + k * draft cost), in units of one target step
-    speedup          target-only time / speculative time (measured)
+    speedup          target-only time / speculative time (measured), pooled; per prompt in the JSON
+                     ("speedup_per_prompt") and the log
     identical        greedy speculative output == greedy generate output, every prompt
 
 Times are wall clock on whatever device the models are on (CUDA events on a GPU).
@@ -156,17 +157,18 @@ def speculative_benchmark(
 
     rows = []
     for wname, prompts in workloads.items():
-        base_tokens, base_s = [], 0.0
+        base_tokens, base_times = [], []
         for ids in prompts:
             out, seconds = _timed(lambda ids=ids: target_only(ids))
             base_tokens.append(out)
-            base_s += seconds
+            base_times.append(seconds)
+        base_s = sum(base_times)
         n_base = sum(len(t) for t in base_tokens)
         log(f"{wname}: target only, {n_base} tokens in {base_s:.1f} s ({n_base / base_s:.2f} tokens/s)")
         for dname, draft in drafts.items():
             for k in ks:
                 new = passes = accepted = rejected = drafted = 0
-                spec_s, identical, round_drafts = 0.0, True, []
+                spec_times, identical, round_drafts = [], True, []
                 for ids, ref in zip(prompts, base_tokens, strict=True):
                     (out, stats), seconds = _timed(
                         lambda ids=ids, k=k, draft=draft: speculative_generate(
@@ -180,7 +182,7 @@ def speculative_benchmark(
                             step_mode=step_mode,
                         )
                     )
-                    spec_s += seconds
+                    spec_times.append(seconds)
                     identical &= torch.equal(out, ref)
                     new += stats.new_tokens
                     passes += stats.target_passes
@@ -188,6 +190,7 @@ def speculative_benchmark(
                     rejected += stats.rejected
                     drafted += stats.drafted
                     round_drafts += stats.round_drafts
+                spec_s = sum(spec_times)
                 alpha = accepted / (accepted + rejected) if accepted + rejected else float("nan")
                 tpp = new / passes
                 round_cost = costs["verify_ratio"][k] + k * draft_ratio[dname]
@@ -205,6 +208,7 @@ def speculative_benchmark(
                     draft_cost=draft_ratio[dname],
                     predicted_speedup=tpp / round_cost,
                     speedup=base_s / spec_s,
+                    speedup_per_prompt=[b / t for b, t in zip(base_times, spec_times, strict=True)],
                     tokens_per_s=new / spec_s,
                     target_tokens_per_s=n_base / base_s,
                     drafted=drafted,
@@ -214,7 +218,8 @@ def speculative_benchmark(
                 rows.append(row)
                 log(
                     f"  {dname} k={k}: alpha {alpha:.2f}, {tpp:.2f} tokens/pass, speedup {row['speedup']:.2f}x "
-                    f"(predicted {row['predicted_speedup']:.2f}x), identical {identical}"
+                    f"(predicted {row['predicted_speedup']:.2f}x; per prompt "
+                    f"{', '.join(f'{x:.2f}x' for x in row['speedup_per_prompt'])}), identical {identical}"
                 )
     return {"rows": rows, "costs": {**costs, "draft_ratio": draft_ratio}}
 

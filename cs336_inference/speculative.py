@@ -113,14 +113,22 @@ def verify_drafts(
     [last_token, draft_tokens] (k + 1 positions) with the cache, turns the logits into q with the
     sampling settings (`sampling_probs`), accepts / resamples with `accept_resample`, and truncates
     the cache so that it holds the context, last_token and the accepted drafts, nothing else.
+    At temperature 0 p and q are one-hot, so the accept / resample step is a comparison: the drafts
+    are accepted while each is the target's argmax, and the added token is the argmax where the
+    first one is not (what `accept_resample` returns, without its draws over V entries per place).
     """
     # BEGIN SOLUTION speculative_verify
     k = draft_tokens.shape[0]
     ids = torch.cat([last_token, draft_tokens])[None]  # [1, k + 1]
     logits = target(ids, cache=cache)[0]  # [k + 1, V]: logits[i] predicts the token at draft i's place
-    q = sampling_probs(logits, temperature, top_k, top_p)
-    n, token = accept_resample(draft_probs[None], q[None], draft_tokens[None], generator)
-    n = int(n[0])
+    if temperature == 0.0:  # p and q one-hot: accept while the draft is the argmax, then the argmax
+        best = logits.float().argmax(dim=-1)  # [k + 1]
+        n = int((best[:k] == draft_tokens).long().cumprod(dim=0).sum())
+        token = best[n : n + 1]
+    else:
+        q = sampling_probs(logits, temperature, top_k, top_p)
+        n, token = accept_resample(draft_probs[None], q[None], draft_tokens[None], generator)
+        n = int(n[0])
     cache.truncate(cache.pos - (k - n))  # forget the k - n rejected drafts
     return torch.cat([draft_tokens[:n], token])
     # END SOLUTION

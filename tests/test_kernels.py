@@ -586,3 +586,121 @@ def test_cuda_five_token_verify_costs_under_1_5x_a_one_token_step():
 
         t1, t5 = _cuda_eager_ms(lambda: step(1), 20), _cuda_eager_ms(lambda: step(5), 20)
     assert t5 < 1.5 * t1, f"5-token forward {t5:.2f} ms vs 1-token {t1:.2f} ms"
+
+
+# ------------------------------------------------------------------ sibling projections (kernels/fuse.py)
+def decode_logits(model, prompt: torch.Tensor, T_values=(1, 3)) -> list[torch.Tensor]:
+    """The prefill's logits, then those of decode calls of T tokens each (the kernels' path)."""
+    with torch.inference_mode():
+        cache = model.new_cache(1, 32)
+        out = [model(prompt[None, :-3], cache=cache)]
+        for T in T_values:
+            out.append(model(prompt[None, -T:], cache=cache))
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "int4", "q8_0", "q4_0", "q4_1"])
+def test_sibling_projections_run_as_one_product_with_the_separate_numbers(kernels_on, monkeypatch, fmt):
+    """fuse_siblings: q/k/v and gate/up become one kernel call each (counted), their weights views of
+    the stacked one; the quantized outputs are bit for bit those of separate calls, fp32 to rounding
+    (the stacked shape may be stored in the other layout)."""
+    from cs336_inference.kernels import fuse
+
+    model = tiny_model(3)
+    if fmt != "fp32":
+        model = quantize_model(model, fmt, group_size=32 if fmt == "int4" else None)
+    prompt = torch.tensor([5, 7, 11, 13, 2, 8, 9, 4])
+    before = decode_logits(model, prompt)
+    n_layers = model.config.n_layers
+    assert fuse.fuse_siblings(model) == 2 * n_layers, "expected a q/k/v and a gate/up group per layer"
+    assert fuse.fuse_siblings(model) == 0, "a second call must not group grouped layers again"
+    attn = model.layers[0].attn
+    name = "weight" if fmt == "fp32" else attn.q_proj.stored_names[0]
+    stacked = getattr(attn.q_proj.siblings.stacked, name)
+    for layer in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert getattr(layer, name).untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr(), (
+            f"{fmt}: a member's {name} must be a view of the stacked tensor (no second copy)"
+        )
+    calls = []
+    product = "decode_linear" if fmt == "fp32" else "quantized_linear"
+    real = getattr(fuse, product)
+    monkeypatch.setattr(fuse, product, lambda layer, x: calls.append(layer) or real(layer, x))
+    decode_logits(model, prompt, T_values=(1,))  # two forwards: a 5-token prefill, a step
+    assert len(calls) == 4 * n_layers, (
+        f"{fmt}: {len(calls)} stacked products in two forwards, expected {4 * n_layers}"
+    )
+    after = decode_logits(model, prompt)
+    # members called on their own, on different inputs, in any order: each gets its own product
+    g = torch.Generator().manual_seed(1)
+    x1, x2 = (torch.randn(1, 2, model.config.d_model, generator=g) for _ in range(2))
+    with torch.inference_mode():
+        fused = [attn.q_proj(x1), attn.k_proj(x2), attn.v_proj(x2), attn.k_proj(x1)]
+        separate = [F.linear(x, layer.weight, layer.bias) for x, layer in
+                    ((x1, attn.q_proj), (x2, attn.k_proj), (x2, attn.v_proj), (x1, attn.k_proj))]  # fmt: skip
+    for i, (a, b) in enumerate(zip(fused, separate, strict=True)):
+        torch.testing.assert_close(
+            a, b, rtol=1e-5, atol=1e-5, msg=lambda m, i=i: f"{fmt}, direct call {i}: {m}"
+        )
+    for what, a, b in zip(("prefill", "1-token step", "3-token step"), before, after, strict=True):
+        if fmt == "fp32":
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=lambda m, w=what: f"fp32 {w}: {m}")
+        else:
+            assert torch.equal(a, b), f"{fmt} {what}: fused logits differ by up to {(a - b).abs().max():.3g}"
+
+
+def test_sibling_projections_follow_new_weights(kernels_on):
+    """Loading weights in place reaches the stacked tensor (views); a member given a new tensor is
+    stacked again on the next call: either way the output is a fresh model's with those weights."""
+    from cs336_inference.kernels.fuse import fuse_siblings
+
+    prompt = torch.tensor([5, 7, 11, 13, 2, 8, 9, 4])
+    model, other = tiny_model(3), tiny_model(4)
+    fuse_siblings(model)
+    model.load_state_dict(other.state_dict())
+    fresh = decode_logits(tiny_model(4), prompt)
+    for a, b in zip(decode_logits(model, prompt), fresh, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"after load_state_dict: {m}")
+    with torch.no_grad():
+        model.layers[0].attn.k_proj.weight.data = torch.zeros_like(model.layers[0].attn.k_proj.weight)
+        reference = tiny_model(4)
+        reference.layers[0].attn.k_proj.weight.zero_()
+    for a, b in zip(decode_logits(model, prompt), decode_logits(reference, prompt), strict=True):
+        torch.testing.assert_close(
+            a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"after a new k_proj weight: {m}"
+        )
+
+
+def test_fusing_is_off_with_the_environment_switch(kernels_on, monkeypatch):
+    from cs336_inference.kernels.fuse import fuse_siblings
+
+    monkeypatch.setenv("CS336_KERNELS_FUSE", "0")
+    model = tiny_model(3)
+    assert fuse_siblings(model) == 0
+    assert not hasattr(model.layers[0].attn.q_proj, "siblings")
+
+
+@pytest.mark.parametrize("product", ["ours", "torch"])
+@pytest.mark.parametrize("layout_name", ["rows", "cols"])
+def test_a_model_made_under_inference_mode_can_take_another_layout(
+    kernels_on, monkeypatch, layout_name, product
+):
+    """A model loaded under torch.inference_mode holds inference tensors; re-storing a weight in the
+    planned layout (or stacking siblings) must keep them inference tensors, or every later op on the
+    Parameter raised "Inference tensors do not track version counter"."""
+    from cs336_inference.kernels import layout
+    from cs336_inference.kernels.fuse import fuse_siblings
+
+    monkeypatch.setattr(layout, "_plans", {})
+    monkeypatch.setattr(layout, "measure", lambda o, i, force="auto": layout.Plan(layout_name, product, {}))
+    prompt = torch.tensor([5, 7, 11, 13, 2, 8, 9, 4])
+    expected = decode_logits(tiny_model(3), prompt)
+    for fuse in (False, True):
+        with torch.inference_mode():
+            model = tiny_model(3)
+            if fuse:
+                fuse_siblings(model)
+        got = decode_logits(model, prompt)
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(
+                a, b, rtol=1e-5, atol=1e-5, msg=lambda m, fuse=fuse: f"fuse={fuse}: {m}"
+            )

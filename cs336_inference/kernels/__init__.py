@@ -18,6 +18,8 @@ native.cpp  the same ops with C++ bodies (cs336_native::*), built with torch.uti
             when a step is first compiled (tens of seconds, cached); they save ~12 us per call. Not built
             (no ninja, no headers, CS336_KERNELS_NATIVE=0): the Python bodies run, said once.
 layout.py   the fp32 path of layers.Linear: layout and product chosen per shape by measurement
+fuse.py     q/k/v and gate/up, which read the same x, as one product over their stacked weights
+            (the fixed-shape step turns it on; CS336_KERNELS_FUSE=0 turns it off)
 graphs.py   the decode step with fixed shapes: replayed as a CUDA graph on a GPU, torch.compile'd on
             the CPU (the products above stay opaque custom ops), or run eagerly
 cuda.py     GPU weight-only products for bf16 activations: int4 through tinygemm, int8 through

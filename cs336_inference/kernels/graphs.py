@@ -44,6 +44,7 @@ from ..attention import ForwardContext
 from ..kv_cache import KVCache, StaticKVCache
 from ..quantization.linear import PackedWeight
 from . import build, ops
+from .fuse import fuse_siblings
 from .layout import decode_linear
 
 MODES = ("graph", "compile", "eager")
@@ -92,6 +93,8 @@ class StaticDecodeStep:
             raise ValueError(f"a fixed-shape step needs T >= 1 tokens, got {T}")
         self.model, self.cache, self.T = model, cache, T
         device = model.embed.weight.device
+        if device.type == "cpu":
+            fuse_siblings(model)  # q/k/v and gate/up as one product each (kernels/fuse.py)
         B = cache.layers[0].k.shape[0]
         self.ids = torch.zeros(B, T, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)

@@ -125,6 +125,9 @@ def decode_linear(layer, x: Tensor) -> Tensor | None:
         or build.library() is None
     ):
         return None
+    siblings = getattr(layer, "siblings", None)  # q/k/v or gate/up as one product (kernels/fuse.py)
+    if siblings is not None:
+        return siblings.output(layer, x)
     if torch.compiler.is_compiling():  # the plan and the layout were settled by an eager call
         p = _latest.get(tuple(weight.shape))
         return linear_fp32(x, weight, layer.bias) if p is not None and p.product == "ours" else None
@@ -133,7 +136,10 @@ def decode_linear(layer, x: Tensor) -> Tensor | None:
     p = plan(*weight.shape)
     is_rows = weight.is_contiguous()
     if (p.layout == "rows") != is_rows:
-        # A normal tensor even under inference_mode, so the model can still be trained afterwards.
-        with torch.inference_mode(False), torch.no_grad():
+        # A normal tensor even under inference_mode, so the model can still be trained afterwards;
+        # but an inference tensor (a model loaded under inference_mode) stays one: a Parameter made
+        # there cannot hold a normal tensor (every later op on it raised "Inference tensors do not
+        # track version counter")
+        with torch.inference_mode(weight.is_inference()), torch.no_grad():
             weight.data = _stored(weight.data, p.layout)
     return linear_fp32(x, weight, layer.bias) if p.product == "ours" else None

@@ -114,6 +114,9 @@ def quantized_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"]
         return None
     if fmt == "int4" and layer.scale.dtype != torch.float16:
         return None
+    siblings = getattr(layer, "siblings", None)  # q/k/v or gate/up as one product (kernels/fuse.py)
+    if siblings is not None:
+        return siblings.output(layer, x)
     scale, zero = getattr(layer, "scale", None), getattr(layer, "zero", None)
     if compiling:
         return _compiled_ops().quantized(x, layer.qweight, scale, zero, bias, FORMAT_CODES[fmt], layer.d_out)
