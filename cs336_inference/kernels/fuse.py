@@ -4,8 +4,9 @@ A decode step is a chain of skinny products, and each call pays a fixed cost bes
 threads started and joined, the prefetcher ramping up on a new matrix, in a compiled step the
 wrapper's Python. Layers that read the same input can be one call over their weights stacked
 along the output: attention's three calls become one, the MLP's first two become one. Each output
-is still the dot product of x with the same weight row; our kernels compute every output on its
-own, so the numbers are bitwise those of the separate calls (a BLAS product: equal to rounding).
+is still the dot product of x with the same weight row. The quantized kernels compute every output
+on its own, so their numbers are bitwise those of separate calls; an fp32 stack may be stored in the
+other layout or run on BLAS (kernels/layout.py plans its shape), equal to rounding.
 
 `fuse_siblings(model)` stacks each group's stored weights into one tensor and makes the layers'
 own weights views of it: nothing is stored twice, and in-place updates (loading, training) reach
@@ -15,7 +16,8 @@ the others take theirs. Prefill, autograd and a machine without the kernels run 
 readable path as before. If a member's weight is replaced (`.to()`, a new tensor), the group
 stacks the members again on its next call.
 
-Measured on SmolLM2's 30 layers (README, "Decode kernels"): 210 calls become 120 per step.
+SmolLM2: 210 product calls per step become 120; the compiled step ran int4 1.09x, q4_0 1.16x and fp32
+1.02x as many tokens/s (Intel Xeon, 2 cores; README, "Decode kernels", stop 23).
 """
 
 from __future__ import annotations
