@@ -351,6 +351,7 @@ def test_the_compiled_cpu_step_equals_the_cached_forward(fmt):
         token = model(prompt, cache=eager_cache)[:, -1].argmax(-1)
         model(prompt, cache=fixed_cache)
         step = FixedStep(model, fixed_cache, "compile")
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         for t in range(18):
             expected = model(token[:, None], cache=eager_cache)[:, -1]
             got = step(token)
@@ -359,6 +360,10 @@ def test_the_compiled_cpu_step_equals_the_cached_forward(fmt):
             )
             token = expected.argmax(-1)
             assert got.argmax(-1).tolist() == token.tolist(), f"{fmt} step {t}: greedy token differs"
+    # one graph for the 18 steps, eager calls in between (the stacked products' state must not
+    # leave a guard failing: a recompile costs minutes on SmolLM2)
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    assert compiled == 1, f"{fmt}: {compiled} graphs compiled for one fixed-shape step, expected 1"
 
 
 def test_modes_are_checked_in_one_line():
