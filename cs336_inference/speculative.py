@@ -478,6 +478,11 @@ def _rounds(
             sampling.top_p,
             sampling.generator,
         )
+        if not 1 <= len(new) <= len(drafts) + 1:  # e.g. a verify_drafts that emits nothing: never loop
+            raise RuntimeError(
+                f"verify_drafts returned {len(new)} tokens for {len(drafts)} drafts; a round emits the "
+                f"accepted drafts and one more token (1 to {len(drafts) + 1})"
+            )
         stats.target_passes += 1
         stats.drafted += len(drafts)
         stats.round_drafts.append(len(drafts))
