@@ -105,8 +105,8 @@ class Siblings:
             y = quantized_linear(s, x) if isinstance(s, QuantizedLinear) else decode_linear(s, x)
             if y is None:
                 return None
-            if not compiling and not self._shared():
-                self._stack()  # the planner re-stored the stacked weight (e.g. another thread count)
+            if not compiling and isinstance(s, Linear) and not self._shared():
+                self._stack()  # the fp32 planner re-stored the stacked weight (another thread count)
             self._x, self._parts, self._left = x, y.split(self.sizes, dim=-1), len(self.layers)
         part = self._parts[layer.sibling_index]
         self._left -= 1
