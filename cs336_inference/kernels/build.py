@@ -1,4 +1,4 @@
-"""Build decode.c on first use and load it with ctypes; None (and one line on stderr) if that fails.
+"""Build decode.c (the products) and step.c (the decoder layers) on first use and load it with ctypes; None (and one line on stderr) if that fails.
 
 The shared library is cached under $CS336_KERNELS_CACHE (default ~/.cache/cs336_inference/kernels),
 named by a hash of the source, the compiler, its flags and this CPU's feature flags, so a changed
@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("decode.c")
+STEP_SOURCE = Path(__file__).with_name("step.c")  # the decoder layers in one call (native_step.py)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp"]
 
 
@@ -71,7 +72,7 @@ def _compile(cc: str, flags: list[str], out: Path) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         target = Path(tmp) / out.name
         subprocess.run(
-            [cc, *flags, str(SOURCE), "-o", str(target), "-lm"], check=True, capture_output=True, timeout=120
+            [cc, *flags, str(SOURCE), str(STEP_SOURCE), "-o", str(target), "-lm"], check=True, capture_output=True, timeout=120
         )
         os.replace(target, out)  # atomic: another process sees the whole file or none
 
@@ -90,6 +91,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
     lib.cs336_has_avx2.restype = ctypes.c_int
+    f32 = ctypes.c_float
+    lib.cs336_layers.argtypes = [p, p, i64, f32, f32, p, p, p, p, p]
+    lib.cs336_layers.restype = ctypes.c_int
 
 
 def build(cc: str | None = None) -> ctypes.CDLL:
@@ -97,7 +101,7 @@ def build(cc: str | None = None) -> ctypes.CDLL:
     cc = cc or os.environ.get("CS336_KERNELS_CC") or os.environ.get("CC") or "gcc"
     if shutil.which(cc) is None:
         raise FileNotFoundError(f"no C compiler {cc!r} on PATH")
-    source = SOURCE.read_bytes()
+    source = SOURCE.read_bytes() + b"\0" + STEP_SOURCE.read_bytes()
     last_error: Exception | None = None
     chosen = compile_flags()
     for flags in (chosen, chosen[:-1]):  # without OpenMP if the compiler has none

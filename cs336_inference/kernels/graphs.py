@@ -46,8 +46,9 @@ from ..quantization.linear import PackedWeight
 from . import build, ops
 from .fuse import fuse_siblings
 from .layout import decode_linear
+from .native_step import NativeLayers
 
-MODES = ("graph", "compile", "eager")
+MODES = ("graph", "compile", "native", "eager")
 
 
 class _FixedStore:
@@ -82,7 +83,7 @@ class StaticDecodeStep:
     T > 1 is a verify pass of speculative decoding: the T queries see the cache and each other causally.
     """
 
-    def __init__(self, model, cache: KVCache, T: int = 1):
+    def __init__(self, model, cache: KVCache, T: int = 1, native: bool = False):
         for i, store in enumerate(cache.layers):
             if store is not None and not isinstance(store, StaticKVCache):
                 raise ValueError(
@@ -110,6 +111,7 @@ class StaticDecodeStep:
         self.head = w.layer if isinstance(w, PackedWeight) else None
         self.vocab = _VocabHead(w) if self.head is None else None
         self.view = _FixedCache([None if s is None else _FixedStore(s, self.steps) for s in cache.layers])
+        self.native = NativeLayers(model, cache) if native else None  # every layer in one C call
 
     def forward(self) -> Float[Tensor, "B T V"]:
         model = self.model
@@ -119,8 +121,11 @@ class StaticDecodeStep:
             self.steps, 0, model.rope_cos[positions], model.rope_sin[positions], pad=self.pad, cache=self.view
         )
         x = model.embed(self.ids)
-        for block in model.layers:
-            x = block(x, ctx)
+        if self.native is not None:
+            x = self.native(x, ctx.cos, ctx.sin, self.steps, self.pad)
+        else:
+            for block in model.layers:
+                x = block(x, ctx)
         h = model.norm(x)
         if self.head is not None:
             return self.head(h)
@@ -161,8 +166,9 @@ class FixedStep:
     tokens [B] (T = 1) or [B, T]; logits [B, V] for T = 1, else [B, T, V].
     mode "graph" (CUDA only; the default there): recorded as a CUDA graph on the first call, replayed
     after; the logits tensor is the graph's own output buffer, overwritten by the next call (clone it
-    to keep it). "compile" (CPU only): torch.compile'd on the first call. "eager" (the default on
-    the CPU): the fixed-shape forward as it is. Each call copies the tokens and cache.pos into the
+    to keep it). "compile" (CPU only): torch.compile'd on the first call. "native" (CPU only): the
+    decoder layers in one C call (native_step.py; ValueError for a model it does not support).
+    "eager" (the default on the CPU): the fixed-shape forward as it is. Each call copies the tokens and cache.pos into the
     step's fixed inputs, runs, and advances cache.pos by T.
     """
 
@@ -171,11 +177,12 @@ class FixedStep:
         mode = mode or ("graph" if device == "cuda" else "eager")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if (mode == "graph") != (device == "cuda") and mode != "eager":
+        if (mode == "graph") != (device == "cuda") and mode != "eager":  # compile, native: the CPU
             raise ValueError(
                 f"mode {mode!r} runs on {'CUDA' if mode == 'graph' else 'the CPU'}, not {device}"
             )
-        self.step, self.cache, self.mode, self.T = StaticDecodeStep(model, cache, T), cache, mode, T
+        step = StaticDecodeStep(model, cache, T, native=mode == "native")
+        self.step, self.cache, self.mode, self.T = step, cache, mode, T
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: Tensor | None = None
 

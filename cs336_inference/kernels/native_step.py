@@ -1,0 +1,168 @@
+"""A fixed-shape step's decoder layers as one C call (step.c): the "native" step mode.
+
+A compiled CPU step (graphs.py, mode "compile") leaves about 500 calls per SmolLM2 token in the
+generated wrapper's Python: the products plus the fused loops of norms, rotary, softmax, SiLU and
+cache writes between them. The products read the weights at close to the memory bandwidth; the
+calls around them cost about a fifth of the step (README, "Decode kernels"). `NativeLayers` hands
+all L layers to `cs336_layers` at once, which runs the same computation in C around decode.c's
+product kernels, so a step is the embedding, one C call, the final norm and the output product.
+
+Supported (`why_not` says what is not): TransformerBlocks with `Attention` (MHA / GQA / MQA, sliding
+window in a static cache, Qwen2's q/k/v bias), no CLA and no MLA, whose q/k/v and gate/up are
+stacked by fuse.py (on by default), every product fp32 or one of the kernels' quantized formats
+(int8, int4, q8_0, q4_0, q4_1), float32 activations, a CPU with the kernels built. The model's own
+forward stays the reference: tests/test_graphs.py compares the two for every supported shape.
+
+Weights are read through their data pointers, gathered on each call (about 300 integers for
+SmolLM2), so a weight replaced or re-stacked since the last call is seen; in-place updates write
+into the same memory anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from ..attention import Attention
+from ..kv_cache import StaticKVCache
+from ..layers import Linear, RMSNorm, SwiGLU
+from ..quantization.linear import QuantizedLinear
+from . import build
+from .layout import decode_linear
+from .ops import FORMAT_CODES
+
+F32_ROWS, F32_COLS = 0, 6  # step.c's format codes for fp32; the quantized ones are ops.FORMAT_CODES
+
+
+def _product_problem(layer) -> str | None:
+    if isinstance(layer, QuantizedLinear):
+        if layer.fmt not in FORMAT_CODES or layer.qweight.device.type != "cpu":
+            return f"a {layer.fmt} layer"
+        if layer.fmt == "int4" and layer.scale.dtype != torch.float16:
+            return "an int4 layer with float32 scales"
+    elif type(layer) is not Linear or layer.weight.dtype != torch.float32 or layer.weight.device.type != "cpu":
+        return f"a {type(layer).__name__} product that is not a float32 CPU Linear"
+    if layer.bias is not None and (layer.bias.dtype != torch.float32 or not layer.bias.is_contiguous()):
+        return "a bias that is not contiguous float32"
+    return None
+
+
+def why_not(model, cache) -> str | None:
+    """Why the native step cannot run this model and cache (None: it can)."""
+    if build.library() is None:
+        return "the C kernels are not built here (CS336_KERNELS=0 or no compiler)"
+    if not build.switched_on("CS336_KERNELS_FUSE"):
+        return "it needs the stacked q/k/v and gate/up of kernels/fuse.py (CS336_KERNELS_FUSE=0)"
+    if model.embed.weight.dtype != torch.float32 or model.embed.weight.device.type != "cpu":
+        return "it runs float32 models on the CPU"
+    H = model.config.head_dim
+    if H % 2 or H > 512:
+        return f"head_dim {H} is odd or above 512"
+    for i, block in enumerate(model.layers):
+        attn, mlp = block.attn, block.mlp
+        if type(attn) is not Attention:
+            return f"layer {i} is {type(attn).__name__} attention (MLA runs the compiled step)"
+        if attn.owner != i:
+            return f"layer {i} borrows its K/V (CLA runs the compiled step)"
+        if type(mlp) is not SwiGLU or type(block.attn_norm) is not RMSNorm or type(block.mlp_norm) is not RMSNorm:
+            return f"layer {i} has another MLP or norm"
+        store = cache.layers[i]
+        if not isinstance(store, StaticKVCache) or not (store.k.is_contiguous() and store.v.is_contiguous()):
+            return f"layer {i}'s cache is not a contiguous static cache"
+        if store.k.dtype != torch.float32 or store.k.shape[-1] != store.v.shape[-1]:
+            return f"layer {i}'s cache is not float32 with equal key and value widths"
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            problem = _product_problem(getattr(attn, name))
+            if problem:
+                return f"layer {i}'s {name} is {problem}"
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            problem = _product_problem(getattr(mlp, name))
+            if problem:
+                return f"layer {i}'s {name} is {problem}"
+    if len({tuple(s.k.shape) for s in cache.layers}) != 1:
+        return "its layers' caches differ in shape"
+    return None
+
+
+def _product(layer) -> list[int]:
+    """step.c's {format, O, groups, weight, scale, zero, bias} of a layer (or a stacked group)."""
+    bias = 0 if layer.bias is None else layer.bias.data_ptr()
+    if isinstance(layer, QuantizedLinear):
+        scale, zero = getattr(layer, "scale", None), getattr(layer, "zero", None)
+        groups = scale.shape[1] if layer.fmt == "int4" else 0
+        return [
+            FORMAT_CODES[layer.fmt], layer.d_out, groups, layer.qweight.data_ptr(),
+            0 if scale is None else scale.data_ptr(), 0 if zero is None else zero.data_ptr(), bias,
+        ]  # fmt: skip
+    w = layer.weight
+    code = F32_ROWS if w.is_contiguous() else F32_COLS if w.stride() == (1, w.shape[0]) else None
+    if code is None:
+        raise ValueError(f"a float32 weight of strides {w.stride()} is neither row- nor column-major")
+    return [code, w.shape[0], 0, w.data_ptr(), 0, 0, bias]
+
+
+def _stacked(first) -> object:
+    """The stacked layer of first's group, stacked again if a member's weight was replaced."""
+    group = first.siblings
+    if not group._shared():
+        group._stack()
+    return group.stacked
+
+
+class NativeLayers:
+    """x -> every decoder layer of `model` applied to x (in place), for one static cache."""
+
+    def __init__(self, model, cache):
+        problem = why_not(model, cache)
+        if problem:
+            raise ValueError(f"the native step cannot run this model: {problem}")
+        from .fuse import fuse_siblings
+
+        fuse_siblings(model)
+        for block in model.layers:
+            if not hasattr(block.attn.q_proj, "siblings") or not hasattr(block.mlp.gate_proj, "siblings"):
+                raise ValueError("the native step cannot run this model: its q/k/v or gate/up could not be stacked")
+        self.model, self.cache, self.lib = model, cache, build.library()
+        attn = model.layers[0].attn
+        self.shape = (model.config.d_model, attn.n_heads, attn.n_kv_heads, attn.head_dim, model.config.d_ff)
+        self.eps, self.scale = model.layers[0].attn_norm.eps, attn.scale
+        self.windows = [block.attn.window or 0 for block in model.layers]
+        with torch.inference_mode():  # the fp32 products take the layout the planner measured fastest
+            for block in model.layers:
+                for layer in (block.attn.o_proj, block.mlp.down_proj):
+                    if isinstance(layer, Linear):
+                        decode_linear(layer, torch.zeros(1, layer.weight.shape[1]))
+
+    def _layers(self) -> Tensor:
+        rows = []
+        for i, block in enumerate(self.model.layers):
+            attn, mlp, store = block.attn, block.mlp, self.cache.layers[i]
+            rows += [block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr()]
+            rows += [store.k.data_ptr(), store.v.data_ptr(), self.windows[i]]
+            rows += _product(_stacked(attn.q_proj)) + _product(attn.o_proj)
+            rows += _product(_stacked(mlp.gate_proj)) + _product(mlp.down_proj)
+        return torch.tensor(rows, dtype=torch.int64)
+
+    def __call__(
+        self,
+        x: Float[Tensor, "B T D"],
+        cos: Float[Tensor, "B T H"],
+        sin: Float[Tensor, "B T H"],
+        steps: Int[Tensor, " T"],
+        pad: Int[Tensor, " B"],
+    ) -> Float[Tensor, "B T D"]:
+        B, T, _ = x.shape
+        D, N, K, H, F = self.shape
+        S = self.cache.layers[0].k.shape[2]
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        steps, pad = steps.contiguous(), pad.contiguous()
+        dims = torch.tensor([B, T, D, N, K, H, F, S, torch.get_num_threads()], dtype=torch.int64)
+        layers = self._layers()
+        status = self.lib.cs336_layers(
+            dims.data_ptr(), layers.data_ptr(), len(self.model.layers), self.eps, self.scale,
+            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), steps.data_ptr(), pad.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("the native step could not allocate its work buffers")
+        return x

@@ -1,0 +1,182 @@
+/* The decoder layers of a Llama-style model for B rows of T new tokens, in one C call.
+
+   A compiled decode step (kernels/graphs.py) still runs about 500 small calls per SmolLM2 token
+   through the generated Python wrapper: the products, the fused norm / rotary / softmax / SiLU
+   loops, the cache writes, each a few microseconds. The products are memory-bound and cannot get
+   faster than the bytes they read; the calls between them are pure overhead, about a fifth of the
+   step. `cs336_layers` runs every layer's
+
+       x += o_proj(attend(rope(q), rope(k) -> cache, v -> cache))   with q, k, v = qkv(rmsnorm(x))
+       x += down(silu(gate) * up)                                  with gate, up = gateup(rmsnorm(x))
+
+   in C, calling decode.c's product kernels (exported there) on the stacked q/k/v and gate/up
+   weights of kernels/fuse.py. kernels/native_step.py builds its arguments; it is staff code, tested
+   equal (to float32 rounding) to the model's own forward, which stays the readable reference.
+
+   Every row (b, t) is computed by the same operations whatever T is: the products' rows are
+   independent (decode.c), and so are the norms, the rotary and each query's attention, whose keys
+   are visited in step order with the same reduction. A verify pass of k + 1 tokens therefore gives
+   bitwise the logits of k + 1 one-token steps, as speculative decoding's greedy identity needs.
+
+   Arguments are flat int64 arrays (pointers as integers), so the Python side builds them with
+   one torch.tensor call. Compiled with decode.c by kernels/build.py (-ffp-contract=off: every
+   multiply and add rounds as in the reference). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int64_t i64;
+
+void cs336_f32_rows(const float *x, i64 M, i64 I, i64 ldx, const float *w, i64 O, const float *bias, float *y,
+                    int threads);
+void cs336_f32_cols(const float *x, i64 M, i64 I, i64 ldx, const float *wt, i64 O, const float *bias, float *y,
+                    int threads);
+void cs336_int8(const float *x, i64 M, i64 I, i64 ldx, const int8_t *q, const float *scale, i64 O,
+                const float *bias, float *y, int threads);
+void cs336_int4(const float *x, i64 M, i64 I, i64 ldx, const uint8_t *packed, const uint16_t *scale,
+                const uint8_t *zero, i64 G, i64 O, const float *bias, float *y, int threads);
+void cs336_ggml(int fmt, const float *x, i64 M, i64 I, i64 ldx, const uint8_t *raw, i64 O, const float *bias,
+                float *y, int threads);
+
+/* A product: {format, O, groups, weight, scale, zero, bias}. Formats as decode.c (1 int8, 2 int4,
+   3 q8_0, 4 q4_0, 5 q4_1), with 0 = fp32 row-major and 6 = fp32 column-major (W^T contiguous). */
+enum { LIN_FIELDS = 7, F32_ROWS = 0, F32_COLS = 6 };
+/* A layer: {attn_norm, mlp_norm, k cache, v cache, window (0: none), qkv, o, gateup, down}. */
+enum { LAYER_HEAD = 5, LAYER_FIELDS = LAYER_HEAD + 4 * LIN_FIELDS };
+/* dims: {B, T, D, N, K, H, F, S (cache slots), threads} */
+
+static void linear(const i64 *L, const float *x, i64 M, i64 I, float *y, int threads) {
+    i64 fmt = L[0], O = L[1], G = L[2];
+    const void *w = (const void *)L[3], *scale = (const void *)L[4];
+    const uint8_t *zero = (const uint8_t *)L[5];
+    const float *bias = (const float *)L[6];
+    if (fmt == F32_ROWS)
+        cs336_f32_rows(x, M, I, I, (const float *)w, O, bias, y, threads);
+    else if (fmt == F32_COLS)
+        cs336_f32_cols(x, M, I, I, (const float *)w, O, bias, y, threads);
+    else if (fmt == 1)
+        cs336_int8(x, M, I, I, (const int8_t *)w, (const float *)scale, O, bias, y, threads);
+    else if (fmt == 2)
+        cs336_int4(x, M, I, I, (const uint8_t *)w, (const uint16_t *)scale, zero, G, O, bias, y, threads);
+    else
+        cs336_ggml((int)fmt, x, M, I, I, (const uint8_t *)w, O, bias, y, threads);
+}
+
+/* y = g * (x / sqrt(mean(x^2) + eps)), as layers.RMSNorm: the scaled row first, then the gain */
+static void rmsnorm(const float *x, const float *g, float *y, i64 M, i64 D, float eps) {
+    for (i64 m = 0; m < M; m++) {
+        const float *xm = x + m * D;
+        float acc[8] = {0};
+        i64 i = 0;
+        for (; i + 8 <= D; i += 8)
+            for (int k = 0; k < 8; k++) acc[k] += xm[i + k] * xm[i + k];
+        float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        for (; i < D; i++) s += xm[i] * xm[i];
+        float r = 1.f / sqrtf(s / (float)D + eps);
+        for (i = 0; i < D; i++) y[m * D + i] = g[i] * (xm[i] * r);
+    }
+}
+
+/* x cos + rotate_half(x) sin in place, rotate_half(x) = (-x2, x1) (layers.apply_rope) */
+static void rope(float *x, const float *cos, const float *sin, i64 H) {
+    i64 h2 = H / 2;
+    float tmp[512];
+    memcpy(tmp, x, sizeof(float) * (size_t)H);
+    for (i64 i = 0; i < h2; i++) x[i] = tmp[i] * cos[i] + (-tmp[i + h2]) * sin[i];
+    for (i64 i = h2; i < H; i++) x[i] = tmp[i] * cos[i] + tmp[i - h2] * sin[i];
+}
+
+static float dot(const float *a, const float *b, i64 n) {
+    float acc[8] = {0};
+    i64 i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) acc[k] += a[i + k] * b[i + k];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* out[m, n*H:(n+1)*H] = softmax(q k^T * scale over the visible keys) v for every row m = (b, t) and
+   query head n (K/V head n / (N/K)). Visible: step j <= the query's step, inside the window, and not
+   left padding (pad[b] > j) unless j is the query's own step (attention.attention_mask). */
+static void attend(const i64 *dims, const float *qkv, const float *kc, const float *vc, i64 window,
+                   const i64 *steps, const i64 *pad, float scale, float *out) {
+    i64 B = dims[0], T = dims[1], N = dims[3], K = dims[4], H = dims[5], S = dims[7];
+    i64 QKV = (N + 2 * K) * H, tasks = B * T * N;
+    int threads = (int)dims[8];
+#pragma omp parallel num_threads(threads)
+    {
+        float *p = (float *)malloc(sizeof(float) * (size_t)S);
+#pragma omp for schedule(static)
+        for (i64 task = 0; task < tasks; task++) {
+            i64 m = task / N, n = task % N, b = m / T, t = m % T, g = n / (N / K), qs = steps[t];
+            const float *q = qkv + m * QKV + n * H, *k = kc + (b * K + g) * S * H, *v = vc + (b * K + g) * S * H;
+            i64 lo = window > 0 && qs - window + 1 > 0 ? qs - window + 1 : 0;
+            float mx = -INFINITY;
+            for (i64 j = lo; j <= qs; j++) {
+                int visible = j >= pad[b] || j == qs;
+                p[j] = visible ? dot(q, k + j * H, H) * scale : -INFINITY;
+                if (p[j] > mx) mx = p[j];
+            }
+            float sum = 0.f;
+            for (i64 j = lo; j <= qs; j++) {
+                p[j] = p[j] == -INFINITY ? 0.f : expf(p[j] - mx);
+                sum += p[j];
+            }
+            float *o = out + m * N * H + n * H;
+            memset(o, 0, sizeof(float) * (size_t)H);
+            for (i64 j = lo; j <= qs; j++) {
+                float w = p[j] / sum;
+                const float *vj = v + j * H;
+                for (i64 h = 0; h < H; h++) o[h] += w * vj[h];
+            }
+        }
+        free(p);
+    }
+}
+
+/* x [B*T, D] (updated in place) through every layer; cos, sin [B, T, H] (the rows' rotary angles);
+   steps [T] (the new tokens' steps = cache slots); pad [B]. Returns 0, or -1 if out of memory. */
+int cs336_layers(const i64 *dims, const i64 *layers, i64 n_layers, float eps, float scale, float *x,
+                 const float *cos, const float *sin, const i64 *steps, const i64 *pad) {
+    i64 B = dims[0], T = dims[1], D = dims[2], N = dims[3], K = dims[4], H = dims[5], F = dims[6], S = dims[7];
+    int threads = (int)dims[8];
+    i64 M = B * T, QKV = (N + 2 * K) * H;
+    if (H > 512) return -1;
+    float *h = malloc(sizeof(float) * (size_t)(M * D)), *qkv = malloc(sizeof(float) * (size_t)(M * QKV));
+    float *att = malloc(sizeof(float) * (size_t)(M * N * H)), *gu = malloc(sizeof(float) * (size_t)(M * 2 * F));
+    float *a = malloc(sizeof(float) * (size_t)(M * F)), *y = malloc(sizeof(float) * (size_t)(M * D));
+    int ok = h && qkv && att && gu && a && y;
+    for (i64 l = 0; ok && l < n_layers; l++) {
+        const i64 *L = layers + l * LAYER_FIELDS;
+        float *kc = (float *)L[2], *vc = (float *)L[3];
+        rmsnorm(x, (const float *)L[0], h, M, D, eps);
+        linear(L + LAYER_HEAD, h, M, D, qkv, threads);
+        for (i64 m = 0; m < M; m++) {
+            i64 b = m / T, t = m % T;
+            float *row = qkv + m * QKV;
+            const float *c = cos + m * H, *s = sin + m * H;
+            for (i64 n = 0; n < N + K; n++) rope(row + n * H, c, s, H); /* the queries, then the keys */
+            for (i64 g = 0; g < K; g++) {
+                i64 slot = ((b * K + g) * S + steps[t]) * H;
+                memcpy(kc + slot, row + (N + g) * H, sizeof(float) * (size_t)H);
+                memcpy(vc + slot, row + (N + K + g) * H, sizeof(float) * (size_t)H);
+            }
+        }
+        attend(dims, qkv, kc, vc, L[4], steps, pad, scale, att);
+        linear(L + LAYER_HEAD + LIN_FIELDS, att, M, N * H, y, threads);
+        for (i64 i = 0; i < M * D; i++) x[i] = x[i] + y[i];
+        rmsnorm(x, (const float *)L[1], h, M, D, eps);
+        linear(L + LAYER_HEAD + 2 * LIN_FIELDS, h, M, D, gu, threads);
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (i64 i = 0; i < M * F; i++) {
+            float z = gu[(i / F) * 2 * F + i % F], u = gu[(i / F) * 2 * F + F + i % F];
+            a[i] = z / (1.f + expf(-z)) * u;
+        }
+        linear(L + LAYER_HEAD + 3 * LIN_FIELDS, a, M, F, y, threads);
+        for (i64 i = 0; i < M * D; i++) x[i] = x[i] + y[i];
+    }
+    free(h), free(qkv), free(att), free(gu), free(a), free(y);
+    return ok ? 0 : -1;
+}
