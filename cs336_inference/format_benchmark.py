@@ -61,17 +61,18 @@ def weight_bytes(model: TransformerLM) -> int:
 
 
 @torch.inference_mode()
-def decode_seconds(model: TransformerLM, prompt: torch.Tensor, n: int, compiled: bool = False) -> float:
+def decode_seconds(model: TransformerLM, prompt: torch.Tensor, n: int, step_mode: str | None = None) -> float:
     """Seconds per decode step over n greedy steps after the prefill (argmax, no sampling overhead).
 
-    compiled: the steps run kernels/graphs.py's fixed-shape step under torch.compile (its first call
-    compiles, once per process and model; it is made before the clock starts)."""
+    step_mode "compile" / "native": the steps run kernels/graphs.py's fixed-shape step, under
+    torch.compile (its first call compiles, once per process and model) or with the decoder layers
+    in one C call (kernels/native_step.py); its first step is made before the clock starts."""
     cache = model.new_cache(1, len(prompt) + n + 2)
     token = model(prompt[None], cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
-    if compiled:
+    if step_mode is not None:
         from .kernels.graphs import FixedStep
 
-        step = FixedStep(model, cache, "compile")
+        step = FixedStep(model, cache, step_mode)
         token = step(token[:, 0]).argmax(-1, keepdim=True)
         t0 = time.perf_counter()
         for _ in range(n):
@@ -84,17 +85,28 @@ def decode_seconds(model: TransformerLM, prompt: torch.Tensor, n: int, compiled:
 
 
 @torch.inference_mode()
-def forward_seconds(model: TransformerLM, prompt: torch.Tensor, T: int, repeats: int) -> float:
-    """Median seconds of one forward of T tokens against a cache holding the prompt."""
+def forward_seconds(
+    model: TransformerLM, prompt: torch.Tensor, T: int, repeats: int, step_mode: str | None = None
+) -> float:
+    """Median seconds of one forward of T tokens against a cache holding the prompt (step_mode
+    "native": the fixed-shape step of T tokens, as speculative decoding's verify pass runs it)."""
     cache = model.new_cache(1, len(prompt) + max(T_SIZES) + 1)
     model(prompt[None], cache=cache)
     ids = prompt[None, :T]
+    if step_mode is not None:
+        from .kernels.graphs import FixedStep
+
+        step = FixedStep(model, cache, step_mode, T)
+        forward = lambda: step(ids)  # noqa: E731
+    else:
+        forward = lambda: model(ids, cache=cache)  # noqa: E731
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
-        model(ids, cache=cache)
+        forward()
         times.append(time.perf_counter() - t0)
         cache.truncate(len(prompt))
+        cache.pos = len(prompt)
     return statistics.median(times[1:])
 
 
@@ -148,13 +160,16 @@ def format_benchmark(
     quantize_head: bool = False,
     compiled: bool = False,
     gguf_source=None,
+    native: bool = False,
 ) -> dict:
     """The interleaved comparison (module docstring) as a JSON-ready dict.
 
     quantize_head: the quantized formats store the output matrix (the tied embedding) in their
     format too (as llama.cpp's files do); otherwise it stays float32, a quarter of the int8 model's
     bytes per step. gguf_source: the GGUF file the model came from (llama.cpp's rows take its tokenizer;
-    without one they are skipped)."""
+    without one they are skipped). compiled / native: rows "ours FMT compiled" / "ours FMT native"
+    with kernels/graphs.py's fixed-shape step in that mode; native also measures the T-token
+    costs of its T-token steps ("t_token_cost_native")."""
     from . import kernels
     from .quantization import quantize_model
 
@@ -169,7 +184,10 @@ def format_benchmark(
     }
     if compiled:
         for fmt, m in models.items():
-            contenders[f"ours {fmt} compiled"] = lambda m=m: decode_seconds(m, prompt, new_tokens, True)
+            contenders[f"ours {fmt} compiled"] = lambda m=m: decode_seconds(m, prompt, new_tokens, "compile")
+    if native:
+        for fmt, m in models.items():
+            contenders[f"ours {fmt} native"] = lambda m=m: decode_seconds(m, prompt, new_tokens, "native")
     if hf is not None:
         contenders["transformers fp32"] = lambda: hf_decode_seconds(hf, prompt, new_tokens)
     llama_note = None
@@ -223,6 +241,11 @@ def format_benchmark(
         base = forward_seconds(m, prompt, 1, 2 * rounds + 3)
         t_cost[fmt] = {T: forward_seconds(m, prompt, T, 2 * rounds + 3) / base for T in T_SIZES}
         log(f"  {fmt}: " + ", ".join(f"T={T} {v:.2f}x" for T, v in t_cost[fmt].items()))
+    t_native = {}
+    for fmt, m in models.items() if native else ():
+        base = forward_seconds(m, prompt, 1, 2 * rounds + 3, "native")
+        t_native[fmt] = {T: forward_seconds(m, prompt, T, 2 * rounds + 3, "native") / base for T in T_SIZES}
+        log(f"  {fmt} native steps: " + ", ".join(f"T={T} {v:.2f}x" for T, v in t_native[fmt].items()))
     return {
         "env": {
             "cpu": cpu_name(),
@@ -240,11 +263,13 @@ def format_benchmark(
             "avg_context": S,
             "quantize_head": quantize_head,
             "compiled": compiled,
+            "native": native,
         },
         "parameters": params,
         "kv_bytes_per_step": kv,
         "rows": rows,
         "t_token_cost": t_cost,
+        "t_token_cost_native": t_native,
         "llama_cpp": llama_note or "ran",
     }
 
@@ -270,6 +295,8 @@ def format_table(r: dict) -> str:
     lines.append(f"{'':<8}" + "".join(f"{f'T={T}':>8}" for T in T_SIZES))
     for fmt, cost in r["t_token_cost"].items():
         lines.append(f"{fmt:<8}" + "".join(f"{cost[T]:>7.2f}x" for T in T_SIZES))
+    for fmt, cost in r.get("t_token_cost_native", {}).items():  # the native fixed-shape steps
+        lines.append(f"{fmt + ' n':<8}" + "".join(f"{cost[T]:>7.2f}x" for T in T_SIZES))
     if r["llama_cpp"] != "ran":
         lines += ["", r["llama_cpp"]]
     return "\n".join(lines)

@@ -99,6 +99,7 @@ def run_formats(args: argparse.Namespace, model, source: Path, prompt: torch.Ten
         log=log,
         quantize_head=args.quantize_head,
         compiled=args.compiled,
+        native=args.native,
         gguf_source=source if source.suffix == ".gguf" else None,
     )
     result["table"] = fb.format_table(result)
@@ -224,6 +225,9 @@ def run_speculative(args: argparse.Namespace) -> dict:
     ks = [int(k) for k in args.ks.split(",")]
     if args.prompts < 1 or args.max_new_tokens < 1 or min(ks) < 1:
         raise BenchmarkError("--prompts, --max-new-tokens and every k must be >= 1")
+    if args.compiled and args.native:
+        raise BenchmarkError("--compiled and --native: choose one way to run the fixed-shape steps")
+    step_mode = "native" if args.native else "compile" if args.compiled else None
     source = Path(args.model) if args.model else default_model_path()
     target = load_pretrained(source)
     tokenizer = load_tokenizer(source)
@@ -239,7 +243,6 @@ def run_speculative(args: argparse.Namespace) -> dict:
 
             if fmt not in quantized:
                 quantized[fmt] = quantize_model(load_pretrained(source), fmt, quantize_head=True)
-            step_mode = "compile" if args.compiled else None
             drafts[name] = (
                 ModelDraft(quantized[fmt], step_mode, share_cache=True) if shared else quantized[fmt]
             )
@@ -258,13 +261,13 @@ def run_speculative(args: argparse.Namespace) -> dict:
     stops = list(dict.fromkeys(list(tokenizer.eos_token_ids) + target.config.eos_token_ids))
     result = spec_bench.speculative_benchmark(
         target, drafts, workloads, ks, args.max_new_tokens, stops, runs=args.runs, log=log,
-        step_mode="compile" if args.compiled else None,
+        step_mode=step_mode,
     )  # fmt: skip
     table = spec_bench.format_table(result["rows"])
     if args.plot:
         spec_bench.plot_speedup(result["rows"], args.plot)
     return {"model": str(source), "threads": torch.get_num_threads(), "prompts": args.prompts,
-            "max_new_tokens": args.max_new_tokens, "compiled": args.compiled, **result,
+            "max_new_tokens": args.max_new_tokens, "compiled": args.compiled, "native": args.native, **result,
             "table": table}  # fmt: skip
 
 
@@ -373,6 +376,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time each format with the torch.compile'd fixed-shape step (about 2 min to compile each)",
     )
+    dec.add_argument(
+        "--native",
+        action="store_true",
+        help="also time each format with the native fixed-shape step (every layer in one C call), "
+        "and its T-token steps",
+    )
     spec = sub.add_parser("speculative", help="speculative decoding: alpha, tokens/pass, speedup vs k")
     spec.add_argument("--model", help="target checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     spec.add_argument(
@@ -395,6 +404,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run the target as torch.compile'd fixed-shape steps of 1 and k+1 tokens, in the baseline "
         "too (CPU; about 2 min to compile each shape, cached after)",
+    )
+    spec.add_argument(
+        "--native",
+        action="store_true",
+        help="run the target (and model drafts) as native fixed-shape steps of 1 and k+1 tokens (every "
+        "layer in one C call), in the baseline too (CPU)",
     )
     gpu = sub.add_parser(
         "gpu", help="GPU decode: eager vs CUDA-graph steps, bf16 / int8 / int4, transformers"

@@ -200,14 +200,14 @@ def test_compiled_speculative_decoding_is_greedy_generate():
     assert got.tolist() == expected.tolist() and stats.accepted > 0
 
 
-@pytest.mark.parametrize("mode", ["eager", "compile"])
+@pytest.mark.parametrize("mode", ["eager", "compile", "native"])
 def test_a_model_draft_in_fixed_shape_steps_gives_greedy_generate(mode):
     """With step_mode, a TransformerLM draft runs fixed-shape steps of 1 and 2 tokens on its own cache:
     the target's greedy tokens, and the draft's cache holds the tokens it was fed (a fresh prefill's)."""
     from cs336_inference.kernels import build
     from cs336_inference.speculative import ModelDraft, speculative_generate
 
-    if mode == "compile" and build.library() is None:
+    if mode != "eager" and build.library() is None:
         pytest.skip("the C kernels are not built here (CS336_KERNELS=0 or no compiler)")
     target, draft = tiny("gqa"), tiny("gqa")
     with torch.no_grad():  # a draft that agrees with the target often, not always
@@ -237,14 +237,14 @@ def test_a_model_draft_in_fixed_shape_steps_gives_greedy_generate(mode):
             )
 
 
-@pytest.mark.parametrize("mode", ["eager", "compile"])
+@pytest.mark.parametrize("mode", ["eager", "compile", "native"])
 def test_a_draft_sharing_the_targets_cache_in_fixed_shape_steps_gives_greedy_generate(mode):
     """share_cache with step_mode: the draft runs one-token fixed-shape steps on the target's cache
     (no cache of its own): the target's greedy tokens; the target itself as the draft never misses."""
     from cs336_inference.kernels import build
     from cs336_inference.speculative import ModelDraft, speculative_generate
 
-    if mode == "compile" and build.library() is None:
+    if mode != "eager" and build.library() is None:
         pytest.skip("the C kernels are not built here (CS336_KERNELS=0 or no compiler)")
     target, draft = tiny("gqa"), tiny("gqa")
     with torch.no_grad():
@@ -372,3 +372,159 @@ def test_modes_are_checked_in_one_line():
         FixedStep(model, model.new_cache(1, 8), "fast")
     with pytest.raises(ValueError, match="runs on CUDA"):
         FixedStep(model, model.new_cache(1, 8), "graph")
+
+
+# ------------------------------------------------------------------ the native step (step.c)
+NATIVE_VARIANTS = {
+    **{v: c for v, c in VARIANTS.items() if v != "cla"},
+    "qkv_bias": dict(n_kv_heads=2, qkv_bias=True),
+}
+
+
+def _native_model(variant: str, fmt: str = "fp32", seed: int = 0) -> TransformerLM:
+    from cs336_inference.kernels import build
+    from cs336_inference.quantization import quantize_model
+
+    if build.library() is None:
+        pytest.skip("the C kernels are not built here (CS336_KERNELS=0 or no compiler)")
+    torch.manual_seed(seed)
+    wide = dict(d_model=64, d_ff=128) if fmt != "fp32" else {}  # whole 32-blocks and int4 groups
+    model = TransformerLM(ModelConfig(**{**BASE, **NATIVE_VARIANTS[variant], **wide})).eval()
+    with torch.no_grad():
+        model.norm.weight.mul_(4.0)
+        if model.config.qkv_bias:
+            for block in model.layers:
+                for layer in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
+                    layer.bias.normal_()
+    return model if fmt == "fp32" else quantize_model(model, fmt, quantize_head=True)
+
+
+def _check_native_steps(model, T: int, label: str, tol: float = 1e-4, steps: int | None = None):
+    """The native T-token step against the cached forward (2 rows), to float32 rounding (its sums
+    and softmax add up in another order than torch's)."""
+    prompt = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    S = 40
+    with torch.inference_mode():
+        eager_cache, fixed_cache = model.new_cache(2, S, spare=S), model.new_cache(2, S, spare=S)
+        model(prompt, cache=eager_cache)
+        model(prompt, cache=fixed_cache)
+        step = FixedStep(model, fixed_cache, "native", T=T)
+        assert step.step.native is not None, f"{label}: the native layers were not made"
+        ids = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(2))
+        for t in range(steps or (S - 7) // T):
+            expected = model(ids, cache=eager_cache)
+            got = step(ids).reshape(expected.shape)
+            torch.testing.assert_close(
+                got, expected, rtol=tol, atol=tol, msg=lambda m, t=t: f"{label} call {t}: {m}"
+            )
+            assert fixed_cache.pos == eager_cache.pos
+            ids = expected[:, -T:].argmax(-1).reshape(2, T)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("variant", list(NATIVE_VARIANTS))
+def test_the_native_step_equals_the_cached_forward(variant, T):
+    """Every layer in one C call (kernels/step.c) against the model's own cached forward: MHA / GQA /
+    MQA, sliding-window and hybrid layers in a static cache, Qwen2's q/k/v bias; 1 and 4 tokens."""
+    _check_native_steps(_native_model(variant), T, f"{variant} T={T}")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "q8_0", "q4_0", "q4_1"])
+def test_the_native_step_runs_every_kernel_format(fmt):
+    _check_native_steps(_native_model("gqa", fmt), 3, fmt, tol=1e-4, steps=6)
+
+
+def test_the_native_step_keeps_left_padding():
+    _check_padding_mode(_native_model("gqa"), "native")
+
+
+def _check_padding_mode(model, mode):
+    prompts = [torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([7, 8])]
+    expected = generate(model, prompts, 12, stop_token_ids=[])
+    pad = torch.tensor([0, 4])
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 7, 8]])
+    with torch.inference_mode():
+        cache = model.new_cache(2, 6 + 12, pad=pad)
+        token = model(ids, cache=cache)[:, -1].argmax(-1)
+        step, out = FixedStep(model, cache, mode), [token]
+        for _ in range(11):
+            token = step(token).argmax(-1)
+            out.append(token)
+    got = torch.stack(out, 1)
+    for row in range(2):
+        assert got[row].tolist() == expected[row].tolist(), (
+            f"{mode}: left-padded row {row} decoded differently"
+        )
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int4"])
+def test_a_native_verify_pass_gives_each_row_the_bits_of_one_token_steps(fmt):
+    """Speculative decoding's greedy identity needs a row's logits not to depend on T: a native
+    4-token step equals 4 one-token steps bit for bit."""
+    model = _native_model("gqa", fmt)
+    prompt = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([[5, 9, 2, 11]])
+    with torch.inference_mode():
+        one, four = model.new_cache(1, 24), model.new_cache(1, 24)
+        model(prompt, cache=one)
+        model(prompt, cache=four)
+        step1, step4 = FixedStep(model, one, "native"), FixedStep(model, four, "native", T=4)
+        singles = torch.stack([step1(ids[:, t]).clone() for t in range(4)], 1)
+        together = step4(ids)
+    assert torch.equal(singles, together), f"{fmt}: max difference {(singles - together).abs().max():.3g}"
+
+
+def test_the_native_step_follows_replaced_weights():
+    """A weight replaced between steps (a stacked q/k/v member, and an unstacked down_proj) is read
+    on the next native step, as the cached forward reads it."""
+    model = _native_model("gqa")
+    prompt = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
+    token = torch.tensor([3])
+    with torch.inference_mode():
+        eager_cache, fixed_cache = model.new_cache(1, 24), model.new_cache(1, 24)
+        model(prompt, cache=eager_cache)
+        model(prompt, cache=fixed_cache)
+        step = FixedStep(model, fixed_cache, "native")
+        step(token), model(token[:, None], cache=eager_cache)
+    g = torch.Generator().manual_seed(9)
+    attn, mlp = model.layers[0].attn, model.layers[1].mlp
+    attn.k_proj.weight = torch.nn.Parameter(torch.randn(attn.k_proj.weight.shape, generator=g))
+    mlp.down_proj.weight = torch.nn.Parameter(torch.randn(mlp.down_proj.weight.shape, generator=g))
+    with torch.inference_mode():
+        got = step(token)
+        expected = model(token[:, None], cache=eager_cache)[:, -1]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_native_step_refuses_what_it_cannot_run_in_one_line(monkeypatch):
+    from cs336_inference.kernels import build
+
+    if build.library() is None:
+        pytest.skip("the C kernels are not built here (CS336_KERNELS=0 or no compiler)")
+    cla = tiny("cla")
+    with pytest.raises(ValueError, match="layer 1 borrows its K/V"):
+        FixedStep(cla, cla.new_cache(1, 8), "native")
+    model = tiny("gqa")
+    monkeypatch.setenv("CS336_KERNELS_FUSE", "0")
+    with pytest.raises(ValueError, match="CS336_KERNELS_FUSE=0"):
+        FixedStep(model, model.new_cache(1, 8), "native")
+    monkeypatch.delenv("CS336_KERNELS_FUSE")
+    half = tiny("gqa").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="float32 models on the CPU"):
+        FixedStep(half, half.new_cache(1, 8), "native")
+    monkeypatch.setattr(build, "library", lambda: None)
+    with pytest.raises(ValueError, match="C kernels are not built"):
+        FixedStep(model, model.new_cache(1, 8), "native")
+
+
+def test_native_speculative_decoding_is_greedy_generate():
+    from cs336_inference.speculative import speculative_generate
+
+    model = _native_model("gqa")
+    base = torch.randint(0, 64, (10,), generator=torch.Generator().manual_seed(3))
+    prompt = torch.cat([base, base, base[:4]])
+    expected = generate(model, prompt, 30, stop_token_ids=[])
+    got, stats = speculative_generate(
+        model, "ngram", prompt, 30, k=3, stop_token_ids=[], return_stats=True, step_mode="native"
+    )
+    assert got.tolist() == expected.tolist() and stats.accepted > 0

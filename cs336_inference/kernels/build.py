@@ -72,7 +72,10 @@ def _compile(cc: str, flags: list[str], out: Path) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         target = Path(tmp) / out.name
         subprocess.run(
-            [cc, *flags, str(SOURCE), str(STEP_SOURCE), "-o", str(target), "-lm"], check=True, capture_output=True, timeout=120
+            [cc, *flags, str(SOURCE), str(STEP_SOURCE), "-o", str(target), "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=120,
         )
         os.replace(target, out)  # atomic: another process sees the whole file or none
 

@@ -46,6 +46,7 @@ from ..quantization.linear import PackedWeight
 from . import build, ops
 from .fuse import fuse_siblings
 from .layout import decode_linear
+from .ops import linear_fp32
 from .native_step import NativeLayers
 
 MODES = ("graph", "compile", "native", "eager")
@@ -112,6 +113,9 @@ class StaticDecodeStep:
         self.vocab = _VocabHead(w) if self.head is None else None
         self.view = _FixedCache([None if s is None else _FixedStore(s, self.steps) for s in cache.layers])
         self.native = NativeLayers(model, cache) if native else None  # every layer in one C call
+        if self.native is not None and self.vocab is not None:
+            with torch.inference_mode():  # the output matrix in its planned layout, once (in place)
+                decode_linear(self.vocab, torch.zeros(1, w.shape[1]))
 
     def forward(self) -> Float[Tensor, "B T V"]:
         model = self.model
@@ -129,6 +133,10 @@ class StaticDecodeStep:
         h = model.norm(x)
         if self.head is not None:
             return self.head(h)
+        if self.native is not None:  # our product, whatever the plan: each row's logits independent of T
+            y = linear_fp32(h, self.vocab.weight)
+            if y is not None:
+                return y
         y = decode_linear(self.vocab, h)
         return F.linear(h, model.vocab_weight) if y is None else y
 

@@ -41,7 +41,9 @@ def _product_problem(layer) -> str | None:
             return f"a {layer.fmt} layer"
         if layer.fmt == "int4" and layer.scale.dtype != torch.float16:
             return "an int4 layer with float32 scales"
-    elif type(layer) is not Linear or layer.weight.dtype != torch.float32 or layer.weight.device.type != "cpu":
+    elif (
+        type(layer) is not Linear or layer.weight.dtype != torch.float32 or layer.weight.device.type != "cpu"
+    ):
         return f"a {type(layer).__name__} product that is not a float32 CPU Linear"
     if layer.bias is not None and (layer.bias.dtype != torch.float32 or not layer.bias.is_contiguous()):
         return "a bias that is not contiguous float32"
@@ -65,7 +67,11 @@ def why_not(model, cache) -> str | None:
             return f"layer {i} is {type(attn).__name__} attention (MLA runs the compiled step)"
         if attn.owner != i:
             return f"layer {i} borrows its K/V (CLA runs the compiled step)"
-        if type(mlp) is not SwiGLU or type(block.attn_norm) is not RMSNorm or type(block.mlp_norm) is not RMSNorm:
+        if (
+            type(mlp) is not SwiGLU
+            or type(block.attn_norm) is not RMSNorm
+            or type(block.mlp_norm) is not RMSNorm
+        ):
             return f"layer {i} has another MLP or norm"
         store = cache.layers[i]
         if not isinstance(store, StaticKVCache) or not (store.k.is_contiguous() and store.v.is_contiguous()):
@@ -122,7 +128,9 @@ class NativeLayers:
         fuse_siblings(model)
         for block in model.layers:
             if not hasattr(block.attn.q_proj, "siblings") or not hasattr(block.mlp.gate_proj, "siblings"):
-                raise ValueError("the native step cannot run this model: its q/k/v or gate/up could not be stacked")
+                raise ValueError(
+                    "the native step cannot run this model: its q/k/v or gate/up could not be stacked"
+                )
         self.model, self.cache, self.lib = model, cache, build.library()
         attn = model.layers[0].attn
         self.shape = (model.config.d_model, attn.n_heads, attn.n_kv_heads, attn.head_dim, model.config.d_ff)
