@@ -46,8 +46,8 @@ from ..quantization.linear import PackedWeight
 from . import build, ops
 from .fuse import fuse_siblings
 from .layout import decode_linear
-from .ops import linear_fp32
 from .native_step import NativeLayers
+from .ops import linear_fp32
 
 MODES = ("graph", "compile", "native", "eager")
 
