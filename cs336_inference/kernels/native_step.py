@@ -13,9 +13,10 @@ stacked by fuse.py (on by default), every product fp32 or one of the kernels' qu
 (int8, int4, q8_0, q4_0, q4_1), float32 activations, a CPU with the kernels built. The model's own
 forward stays the reference: tests/test_graphs.py compares the two for every supported shape.
 
-Weights are read through their data pointers, gathered on each call (about 300 integers for
-SmolLM2), so a weight replaced or re-stacked since the last call is seen; in-place updates write
-into the same memory anyway.
+Weights are read through their data pointers. Each call compares the data pointers of the tensors
+a step reads (about 200 for SmolLM2) with the last call's and describes the layers again if one
+moved, so a weight replaced since the last call is seen (a replaced member of a stacked group is
+stacked again); in-place updates write into the same memory anyway.
 """
 
 from __future__ import annotations
@@ -136,6 +137,17 @@ class NativeLayers:
         self.shape = (model.config.d_model, attn.n_heads, attn.n_kv_heads, attn.head_dim, model.config.d_ff)
         self.eps, self.scale = model.layers[0].attn_norm.eps, attn.scale
         self.windows = [block.attn.window or 0 for block in model.layers]
+        # what a step reads, by (module, attribute): a tensor replaced or re-stored moves its data
+        # pointer, and the descriptor is built again (stacking the group again if a member moved)
+        self._watch = []
+        for block in model.layers:
+            self._watch += [(block.attn_norm, "weight"), (block.mlp_norm, "weight")]
+            for layer in (*(getattr(block.attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                          *(getattr(block.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))):  # fmt: skip
+                self._watch.append((layer, "qweight" if isinstance(layer, QuantizedLinear) else "weight"))
+                if layer.bias is not None:
+                    self._watch.append((layer, "bias"))
+        self._rows, self._seen = torch.empty(0, dtype=torch.int64), None
         with torch.inference_mode():  # the fp32 products take the layout the planner measured fastest
             for block in model.layers:
                 for layer in (block.attn.o_proj, block.mlp.down_proj):
@@ -143,6 +155,14 @@ class NativeLayers:
                         decode_linear(layer, torch.zeros(1, layer.weight.shape[1]))
 
     def _layers(self) -> Tensor:
+        """The layers' descriptor for step.c, rebuilt when a watched tensor moved (else the last one)."""
+        seen = [getattr(module, name).data_ptr() for module, name in self._watch]
+        if seen != self._seen:
+            self._rows, self._seen = self._describe(), None
+            self._seen = [getattr(module, name).data_ptr() for module, name in self._watch]
+        return self._rows
+
+    def _describe(self) -> Tensor:
         rows = []
         for i, block in enumerate(self.model.layers):
             attn, mlp, store = block.attn, block.mlp, self.cache.layers[i]
