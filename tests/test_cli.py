@@ -48,6 +48,8 @@ def run_cli(*args: str, stdin: str | None = None, timeout: float = 120) -> subpr
         (["--draft-shares-cache"], "--draft-shares-cache"),
         (["--draft", "ngram", "--draft-shares-cache"], "--draft-shares-cache"),
         (["--compile"], "--compile"),
+        (["--native", "--no-cache"], "--native"),
+        (["--native", "--draft", "ngram", "--compile"], "--native"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, option, tmp_path):
@@ -115,6 +117,22 @@ def test_json_tokens_equal_the_library_and_the_naive_sampler(tiny_checkpoint):
     assert out["token_ids"] == expected == out_naive["token_ids"]
     assert out["prompt_tokens"] == 10 and out["generated_tokens"] == 12 and out["use_cache"]
     assert not out_naive["use_cache"] and out["ttft_s"] > 0 and out["decode_tokens_per_s"] > 0
+
+
+def test_native_steps_give_the_same_tokens_greedy_and_sampled(tiny_checkpoint):
+    from cs336_inference.kernels import build
+
+    if build.library() is None:
+        pytest.skip("the C kernels are not built here (CS336_KERNELS=0 or no compiler)")
+    args = ["--model", str(tiny_checkpoint), "--raw", "--json", "--max-new-tokens", "12", *FAST, words(10)]
+    sampled = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "3"]
+    runs = [run_cli(*extra, *args) for extra in ([], ["--native"], sampled, [*sampled, "--native"])]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    greedy, greedy_native, draws, draws_native = (json.loads(r.stdout)["token_ids"] for r in runs)
+    assert greedy_native == greedy, "--native changed the greedy tokens"
+    assert draws_native == draws, "--native changed the sampled tokens (same seed)"
+    assert draws != greedy, "the sampled run should differ from greedy (else it checks nothing)"
 
 
 def test_speculative_draft_gives_the_same_tokens_and_reports_alpha(tiny_checkpoint):

@@ -473,6 +473,35 @@ def test_smollm2_greedy_tokens_with_and_without_kernels(monkeypatch, method):
     )
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fp32", "int8", "int4", "q4_0"])
+def test_smollm2_native_step_gives_generates_greedy_tokens(method):
+    """64 greedy tokens of SmolLM2 through the native step (every layer in one C call, kernels/step.c)
+    equal `generate`'s (the model's own forward), and so do 5-token verify passes of speculative
+    decoding with prompt lookup on a prompt that repeats itself."""
+    from cs336_inference.checkpoint import default_model_path, load_pretrained
+    from cs336_inference.kernels.graphs import graph_generate
+    from cs336_inference.speculative import speculative_generate
+
+    path = default_model_path()
+    if not path.exists():
+        pytest.skip(f"no SmolLM2 checkpoint at {path}")
+    if build.library() is None:
+        pytest.skip("the kernels could not be built here")
+    model = load_pretrained(path, dtype=torch.float32)
+    if method != "fp32":
+        model = quantize_model(model, method, quantize_head=True)
+    prompt = torch.tensor([504, 3458, 282, 4967, 314, 253, 1345, 28, 216, 1032, 314] * 2)
+    expected = generate(model, prompt, 64, stop_token_ids=[]).tolist()
+    for name, got in (
+        ("graph_generate", graph_generate(model, prompt, 64, mode="native")),
+        ("speculative k=4", speculative_generate(model, "ngram", prompt, 64, k=4, stop_token_ids=[], step_mode="native")),
+    ):  # fmt: skip
+        got = got.tolist()
+        first = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), None)
+        assert first is None, f"{method} {name}: tokens differ from step {first}: {got[first:]} vs {expected[first:]}"
+
+
 def _cuda_eager_ms(fn, repeats: int = 50) -> float:
     """Milliseconds per call, launched from Python as eager code runs (CUDA events)."""
     for _ in range(5):

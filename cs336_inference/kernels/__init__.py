@@ -7,7 +7,7 @@ verification, a small batch) against one read of the weight. The readable refere
 (quantization/linear.py, layers.Linear) do neither; these kernels do both, and give each row a
 result bitwise independent of how many rows share the call.
 
-build.py    compiles decode.c on first use (gcc -O3 -march=native -fopenmp, ~1-7 s), cached; loads it
+build.py    compiles decode.c and step.c on first use (gcc -O3 -march=native -fopenmp, ~1-7 s), cached; loads it
             with ctypes. No compiler, a failed build or CS336_KERNELS=0: the PyTorch path runs
             (a failed build says so once on stderr).
 decode.c    the kernels: fp32 (row- or column-major), int8, int4, Q8_0, Q4_0, Q4_1 weights times float
@@ -21,7 +21,9 @@ layout.py   the fp32 path of layers.Linear: layout and product chosen per shape 
 fuse.py     q/k/v and gate/up, which read the same x, as one product over their stacked weights
             (the fixed-shape step turns it on; CS336_KERNELS_FUSE=0 turns it off)
 graphs.py   the decode step with fixed shapes: replayed as a CUDA graph on a GPU, torch.compile'd on
-            the CPU (the products above stay opaque custom ops), or run eagerly
+            the CPU (the products above stay opaque custom ops), run natively, or run eagerly
+step.c      every decoder layer of a fixed-shape step in one C function around decode.c's products
+native_step.py  its arguments (FixedStep mode "native"; MHA/GQA/MQA, windows, fp32 and 5 formats)
 cuda.py     GPU weight-only products for bf16 activations: int4 through tinygemm, int8 through
 triton_int8.py  a Triton kernel that reads the int8 weight once
 

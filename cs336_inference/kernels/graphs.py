@@ -296,3 +296,47 @@ def graph_generate(
         out[n] = token[0]
         n += 1
     return out[:n]
+
+
+def step_stream(
+    model,
+    prompt_ids: Int[Tensor, " P"],
+    max_new_tokens: int,
+    mode: str | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_token_ids=(),
+):
+    """`sampling.stream_generate` for one prompt with an eager prefill and FixedStep decode steps
+    (mode as FixedStep's): yields each new token id; a stop token is yielded, then it ends.
+
+    Arguments are checked (ValueError) at the call, and the step is made there too, so a model the
+    mode cannot run is refused before the first token. Greedy gives `generate`'s tokens; sampled, the
+    same draws from logits equal to float32 rounding.
+    """
+    from ..sampling import check_sampling_args, sample_next_token
+
+    check_sampling_args(temperature, top_k, top_p, max_new_tokens)
+    device = model.embed.weight.device
+    ids = torch.as_tensor(prompt_ids).to(device).reshape(1, -1)
+    if ids.shape[1] == 0 or int(ids.min()) < 0 or int(ids.max()) >= model.config.vocab_size:
+        raise ValueError(f"prompt token ids must be one or more ids in [0, {model.config.vocab_size})")
+    cache = model.new_cache(1, fixed_capacity(ids.shape[1] + max_new_tokens, model.config.max_seq_len))
+    step = FixedStep(model, cache, mode)
+    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    stops = set(stop_token_ids)
+
+    @torch.inference_mode()
+    def tokens():
+        logits = model(ids, cache=cache, last_only=True)[:, -1]
+        for n in range(max_new_tokens):
+            token = sample_next_token(logits, temperature, top_k, top_p, generator)
+            token_id = int(token[0])
+            yield token_id
+            if token_id in stops or n == max_new_tokens - 1:
+                return
+            logits = step(token)
+
+    return tokens()
