@@ -183,8 +183,9 @@ def test_sampled_speculative_decoding_through_fixed_steps_draws_what_the_eager_t
     assert got.tolist() == expected.tolist()
 
 
-def test_compiled_speculative_decoding_is_greedy_generate():
-    """The compiled 1- and (k+1)-token steps (CPU) give greedy generate's tokens."""
+@pytest.mark.parametrize("mode", ["compile", "native"])
+def test_compiled_speculative_decoding_is_greedy_generate(mode):
+    """The compiled (or native) 1- and (k+1)-token steps (CPU) give greedy generate's tokens."""
     from cs336_inference.kernels import build
     from cs336_inference.speculative import speculative_generate
 
@@ -195,7 +196,7 @@ def test_compiled_speculative_decoding_is_greedy_generate():
     prompt = torch.cat([base, base, base[:4]])
     expected = generate(model, prompt, 30, stop_token_ids=[])
     got, stats = speculative_generate(
-        model, "ngram", prompt, 30, k=3, stop_token_ids=[], return_stats=True, step_mode="compile"
+        model, "ngram", prompt, 30, k=3, stop_token_ids=[], return_stats=True, step_mode=mode
     )
     assert got.tolist() == expected.tolist() and stats.accepted > 0
 
@@ -516,15 +517,3 @@ def test_the_native_step_refuses_what_it_cannot_run_in_one_line(monkeypatch):
     with pytest.raises(ValueError, match="C kernels are not built"):
         FixedStep(model, model.new_cache(1, 8), "native")
 
-
-def test_native_speculative_decoding_is_greedy_generate():
-    from cs336_inference.speculative import speculative_generate
-
-    model = _native_model("gqa")
-    base = torch.randint(0, 64, (10,), generator=torch.Generator().manual_seed(3))
-    prompt = torch.cat([base, base, base[:4]])
-    expected = generate(model, prompt, 30, stop_token_ids=[])
-    got, stats = speculative_generate(
-        model, "ngram", prompt, 30, k=3, stop_token_ids=[], return_stats=True, step_mode="native"
-    )
-    assert got.tolist() == expected.tolist() and stats.accepted > 0

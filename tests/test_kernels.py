@@ -499,7 +499,9 @@ def test_smollm2_native_step_gives_generates_greedy_tokens(method):
     ):  # fmt: skip
         got = got.tolist()
         first = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), None)
-        assert first is None, f"{method} {name}: tokens differ from step {first}: {got[first:]} vs {expected[first:]}"
+        assert first is None, (
+            f"{method} {name}: tokens differ from step {first}: {got[first:]} vs {expected[first:]}"
+        )
 
 
 def _cuda_eager_ms(fn, repeats: int = 50) -> float:

@@ -63,18 +63,23 @@ static void linear(const i64 *L, const float *x, i64 M, i64 I, float *y, int thr
         cs336_ggml((int)fmt, x, M, I, I, (const uint8_t *)w, O, bias, y, threads);
 }
 
+/* sum_i a[i] b[i]: 8 partial sums (vectorizable without reassociating), a fixed tree, the tail */
+static float dot(const float *a, const float *b, i64 n) {
+    float acc[8] = {0};
+    i64 i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) acc[k] += a[i + k] * b[i + k];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
 /* y = g * (x / sqrt(mean(x^2) + eps)), as layers.RMSNorm: the scaled row first, then the gain */
 static void rmsnorm(const float *x, const float *g, float *y, i64 M, i64 D, float eps) {
     for (i64 m = 0; m < M; m++) {
         const float *xm = x + m * D;
-        float acc[8] = {0};
-        i64 i = 0;
-        for (; i + 8 <= D; i += 8)
-            for (int k = 0; k < 8; k++) acc[k] += xm[i + k] * xm[i + k];
-        float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-        for (; i < D; i++) s += xm[i] * xm[i];
-        float r = 1.f / sqrtf(s / (float)D + eps);
-        for (i = 0; i < D; i++) y[m * D + i] = g[i] * (xm[i] * r);
+        float r = 1.f / sqrtf(dot(xm, xm, D) / (float)D + eps);
+        for (i64 i = 0; i < D; i++) y[m * D + i] = g[i] * (xm[i] * r);
     }
 }
 
@@ -85,16 +90,6 @@ static void rope(float *x, const float *cos, const float *sin, i64 H) {
     memcpy(tmp, x, sizeof(float) * (size_t)H);
     for (i64 i = 0; i < h2; i++) x[i] = tmp[i] * cos[i] + (-tmp[i + h2]) * sin[i];
     for (i64 i = h2; i < H; i++) x[i] = tmp[i] * cos[i] + tmp[i - h2] * sin[i];
-}
-
-static float dot(const float *a, const float *b, i64 n) {
-    float acc[8] = {0};
-    i64 i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int k = 0; k < 8; k++) acc[k] += a[i + k] * b[i + k];
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
 }
 
 /* out[m, n*H:(n+1)*H] = softmax(q k^T * scale over the visible keys) v for every row m = (b, t) and
