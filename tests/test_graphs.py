@@ -516,4 +516,3 @@ def test_the_native_step_refuses_what_it_cannot_run_in_one_line(monkeypatch):
     monkeypatch.setattr(build, "library", lambda: None)
     with pytest.raises(ValueError, match="C kernels are not built"):
         FixedStep(model, model.new_cache(1, 8), "native")
-
