@@ -16,7 +16,7 @@ speculative decoding and plain `generate` on the same prompts in the same proces
 
 Times are wall clock on whatever device the models are on (CUDA events on a GPU).
 
-step_mode (None, "compile" on the CPU, "graph" on CUDA) runs the target as fixed-shape steps
+step_mode (None, "compile" or "native" on the CPU, "graph" on CUDA) runs the target as fixed-shape steps
 (kernels/graphs.py) in every measurement: the verify and one-token step costs, the target-only
 baseline (`graph_generate`) and speculative decoding, so the speedup compares like with like; a
 model draft runs its steps the same way.
