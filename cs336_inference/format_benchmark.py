@@ -316,13 +316,21 @@ def plot(r: dict, path: Path) -> None:
     ax.plot(
         bits, [bw / (b / 8 * params + kv) for b in bits], "k--", label="roofline (bandwidth / bytes per step)"
     )
+    # one colour per contender and way of running it, the format written next to each point
+    colours = {"ours": "tab:gray", "ours compiled": "tab:blue", "ours native": "tab:red"}
+    colours |= {"llama.cpp": "tab:green", "transformers": "black"}
+    labelled = set()
     for name, row in r["rows"].items():
-        fmt = name.split()[1]
+        who, fmt, *how = name.split()
         b = row.get("bits_per_weight", nominal.get(fmt))
         if b is None:
             continue
-        style = {"ours": "o", "llama.cpp": "s", "transformers": "^"}[name.split()[0]]
-        ax.plot(b, row["tokens_per_s"], style, label=name)
+        group = " ".join([who, *how])
+        marker = {"ours": "o", "llama.cpp": "s", "transformers": "^"}[who]
+        label = None if group in labelled else group
+        labelled.add(group)
+        ax.plot(b, row["tokens_per_s"], marker, color=colours.get(group, "tab:purple"), label=label)
+        ax.annotate(fmt, (b, row["tokens_per_s"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
     ax.set_xlabel("bits per weight (as read per step)")
     ax.set_ylabel("decode tokens/s (batch 1)")
     ax.set_title(r["env"]["cpu"][:60], fontsize=8)

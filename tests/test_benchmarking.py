@@ -97,3 +97,24 @@ def test_format_benchmark_adds_a_compiled_row_per_format():
     assert set(r["rows"]) == {"ours fp32", "ours fp32 compiled"} and r["settings"]["compiled"]
     assert r["rows"]["ours fp32 compiled"]["bytes_per_step"] == r["rows"]["ours fp32"]["bytes_per_step"]
     assert "ours fp32 compiled" in fb.format_table(r)
+
+
+def test_format_benchmark_adds_native_rows_and_their_t_token_costs(tmp_path):
+    from cs336_inference import format_benchmark as fb
+    from cs336_inference.kernels import build
+
+    if build.library() is None:
+        pytest.skip("the C kernels are not built here")
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (20,))
+    r = fb.format_benchmark(
+        model, prompt, ["fp32", "int8"], new_tokens=2, rounds=1, llama_cpp=False, native=True
+    )
+    assert set(r["rows"]) == {"ours fp32", "ours int8", "ours fp32 native", "ours int8 native"}
+    assert r["settings"]["native"] and set(r["t_token_cost_native"]) == {"fp32", "int8"}
+    assert set(r["t_token_cost_native"]["int8"]) == set(fb.T_SIZES)
+    table = fb.format_table(r)
+    assert "ours int8 native" in table and "int8 n" in table
+    fb.plot(r, tmp_path / "formats.png")
