@@ -476,8 +476,8 @@ def test_a_native_verify_pass_gives_each_row_the_bits_of_one_token_steps(fmt):
 
 
 def test_the_native_step_follows_replaced_weights():
-    """A weight replaced between steps (a stacked q/k/v member, and an unstacked down_proj) is read
-    on the next native step, as the cached forward reads it."""
+    """A weight replaced between steps (a stacked q/k/v member, and an unstacked down_proj), then a
+    whole layer replaced, is read on the next native step, as the cached forward reads it."""
     model = _native_model("gqa")
     prompt = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
     token = torch.tensor([3])
@@ -493,6 +493,15 @@ def test_the_native_step_follows_replaced_weights():
     mlp.down_proj.weight = torch.nn.Parameter(torch.randn(mlp.down_proj.weight.shape, generator=g))
     with torch.inference_mode():
         got = step(token)
+        expected = model(token[:, None], cache=eager_cache)[:, -1]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    from cs336_inference.layers import Linear  # a layer replaced by another module
+
+    with torch.inference_mode():  # a step with the layouts settled (the eager call re-stores new weights)
+        step(token), model(token[:, None], cache=eager_cache)
+    model.layers[0].mlp.down_proj = Linear(*reversed(mlp.down_proj.weight.shape))
+    with torch.inference_mode():
+        got = step(token)  # first: before the eager forward re-stores the new layer's weight
         expected = model(token[:, None], cache=eager_cache)[:, -1]
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
