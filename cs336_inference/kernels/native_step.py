@@ -17,7 +17,8 @@ Weights are read through their data pointers. Each call compares the data pointe
 a step reads (270 for SmolLM2), looked up from the blocks by name, with the last call's and
 describes the layers again if one moved, so a weight or a layer replaced since the last call is seen
 (a replaced member of a stacked group is stacked again); in-place updates write into the same
-memory anyway. A bias is read from the layer that holds it when the layers are described.
+memory anyway. Biases and quantization scales are not watched: one replaced on its own (its weight
+left as it was) is seen only once a weight moves (kernels/fuse.py's groups have the same limit).
 """
 
 from __future__ import annotations
