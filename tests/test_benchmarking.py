@@ -83,16 +83,20 @@ def test_format_benchmark_on_a_tiny_model(tmp_path):
     assert (tmp_path / "formats.png").stat().st_size > 0
 
 
-def test_format_benchmark_adds_a_compiled_row_per_format():
-    from cs336_inference import format_benchmark as fb
+def _one_layer_model_with_kernels() -> tuple[TransformerLM, torch.Tensor]:
     from cs336_inference.kernels import build
 
     if build.library() is None:
         pytest.skip("the C kernels are not built here")
     cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
     torch.manual_seed(0)
-    model = TransformerLM(cfg).eval()
-    prompt = torch.randint(0, cfg.vocab_size, (20,))
+    return TransformerLM(cfg).eval(), torch.randint(0, cfg.vocab_size, (20,))
+
+
+def test_format_benchmark_adds_a_compiled_row_per_format():
+    from cs336_inference import format_benchmark as fb
+
+    model, prompt = _one_layer_model_with_kernels()
     r = fb.format_benchmark(model, prompt, ["fp32"], new_tokens=2, rounds=1, llama_cpp=False, compiled=True)
     assert set(r["rows"]) == {"ours fp32", "ours fp32 compiled"} and r["settings"]["compiled"]
     assert r["rows"]["ours fp32 compiled"]["bytes_per_step"] == r["rows"]["ours fp32"]["bytes_per_step"]
@@ -101,14 +105,8 @@ def test_format_benchmark_adds_a_compiled_row_per_format():
 
 def test_format_benchmark_adds_native_rows_and_their_t_token_costs(tmp_path):
     from cs336_inference import format_benchmark as fb
-    from cs336_inference.kernels import build
 
-    if build.library() is None:
-        pytest.skip("the C kernels are not built here")
-    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
-    torch.manual_seed(0)
-    model = TransformerLM(cfg).eval()
-    prompt = torch.randint(0, cfg.vocab_size, (20,))
+    model, prompt = _one_layer_model_with_kernels()
     r = fb.format_benchmark(
         model, prompt, ["fp32", "int8"], new_tokens=2, rounds=1, llama_cpp=False, native=True
     )
