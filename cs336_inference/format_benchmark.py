@@ -106,7 +106,6 @@ def forward_seconds(
         forward()
         times.append(time.perf_counter() - t0)
         cache.truncate(len(prompt))
-        cache.pos = len(prompt)
     return statistics.median(times[1:])
 
 

@@ -1,4 +1,5 @@
-"""Build decode.c (the products) and step.c (the decoder layers) on first use and load it with ctypes; None (and one line on stderr) if that fails.
+"""Build decode.c (the products) and step.c (the decoder layers) on first use, as one library loaded
+with ctypes; None (and one line on stderr) if that fails.
 
 The shared library is cached under $CS336_KERNELS_CACHE (default ~/.cache/cs336_inference/kernels),
 named by a hash of the source, the compiler, its flags and this CPU's feature flags, so a changed

@@ -45,7 +45,7 @@ from ..kv_cache import KVCache, StaticKVCache
 from ..quantization.linear import PackedWeight
 from . import build, ops
 from .fuse import fuse_siblings
-from .layout import decode_linear
+from .layout import decode_linear, settle
 from .native_step import NativeLayers
 from .ops import linear_fp32
 
@@ -114,8 +114,7 @@ class StaticDecodeStep:
         self.view = _FixedCache([None if s is None else _FixedStore(s, self.steps) for s in cache.layers])
         self.native = NativeLayers(model, cache) if native else None  # every layer in one C call
         if self.native is not None and self.vocab is not None:
-            with torch.inference_mode():  # the output matrix in its planned layout, once (in place)
-                decode_linear(self.vocab, torch.zeros(1, w.shape[1]))
+            settle(self.vocab)  # the output matrix in its planned layout, once (in place)
 
     def forward(self) -> Float[Tensor, "B T V"]:
         model = self.model
@@ -316,13 +315,12 @@ def step_stream(
     mode cannot run is refused before the first token. Greedy gives `generate`'s tokens; sampled, the
     same draws from logits equal to float32 rounding.
     """
-    from ..sampling import check_sampling_args, sample_next_token
+    from ..sampling import _prepare, sample_next_token
 
-    check_sampling_args(temperature, top_k, top_p, max_new_tokens)
-    device = model.embed.weight.device
-    ids = torch.as_tensor(prompt_ids).to(device).reshape(1, -1)
-    if ids.shape[1] == 0 or int(ids.min()) < 0 or int(ids.max()) >= model.config.vocab_size:
-        raise ValueError(f"prompt token ids must be one or more ids in [0, {model.config.vocab_size})")
+    ids, _, single = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p)  # checks all
+    if not single:
+        raise ValueError("step_stream takes one prompt (a 1-D tensor or a list of ints)")
+    device = ids.device
     cache = model.new_cache(1, fixed_capacity(ids.shape[1] + max_new_tokens, model.config.max_seq_len))
     step = FixedStep(model, cache, mode)
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)

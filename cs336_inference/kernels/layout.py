@@ -133,13 +133,20 @@ def decode_linear(layer, x: Tensor) -> Tensor | None:
         return linear_fp32(x, weight, layer.bias) if p is not None and p.product == "ours" else None
     if _get_current_dispatch_mode() is not None:  # FLOP counting, tracing: keep the op visible
         return None
+    p = settle(layer)
+    return linear_fp32(x, weight, layer.bias) if p.product == "ours" else None
+
+
+def settle(layer) -> Plan:
+    """The plan for layer's fp32 weight shape, with the weight re-stored in its layout if it was not
+    (same values and shape; only the strides change). The native step settles its layers this way."""
+    weight = layer.weight
     p = plan(*weight.shape)
-    is_rows = weight.is_contiguous()
-    if (p.layout == "rows") != is_rows:
+    if (p.layout == "rows") != weight.is_contiguous():
         # A normal tensor even under inference_mode, so the model can still be trained afterwards;
         # but an inference tensor (a model loaded under inference_mode) stays one: a Parameter made
         # there cannot hold a normal tensor (every later op on it raised "Inference tensors do not
         # track version counter")
         with torch.inference_mode(weight.is_inference()), torch.no_grad():
             weight.data = _stored(weight.data, p.layout)
-    return linear_fp32(x, weight, layer.bias) if p.product == "ours" else None
+    return p

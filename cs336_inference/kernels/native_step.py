@@ -32,7 +32,7 @@ from ..kv_cache import StaticKVCache
 from ..layers import Linear, RMSNorm, SwiGLU
 from ..quantization.linear import QuantizedLinear
 from . import build
-from .layout import decode_linear
+from .layout import settle
 from .ops import FORMAT_CODES
 
 F32_ROWS, F32_COLS = 0, 6  # step.c's format codes for fp32; the quantized ones are ops.FORMAT_CODES
@@ -126,10 +126,7 @@ class NativeLayers:
         problem = why_not(model, cache)
         if problem:
             raise ValueError(f"the native step cannot run this model: {problem}")
-        from .fuse import fuse_siblings
-
-        fuse_siblings(model)
-        for block in model.layers:
+        for block in model.layers:  # stacked by StaticDecodeStep (fuse_siblings) before this
             if not hasattr(block.attn.q_proj, "siblings") or not hasattr(block.mlp.gate_proj, "siblings"):
                 raise ValueError(
                     "the native step cannot run this model: its q/k/v or gate/up could not be stacked"
@@ -152,11 +149,10 @@ class NativeLayers:
                         (block, part, name, "qweight" if isinstance(layer, QuantizedLinear) else "weight")
                     )
         self._rows, self._seen = torch.empty(0, dtype=torch.int64), None
-        with torch.inference_mode():  # the fp32 products take the layout the planner measured fastest
-            for block in model.layers:
-                for layer in (block.attn.o_proj, block.mlp.down_proj):
-                    if isinstance(layer, Linear):
-                        decode_linear(layer, torch.zeros(1, layer.weight.shape[1]))
+        for block in model.layers:  # the fp32 products take the layout the planner measured fastest
+            for layer in (block.attn.o_proj, block.mlp.down_proj):
+                if isinstance(layer, Linear):
+                    settle(layer)
 
     def _layers(self) -> Tensor:
         """The layers' descriptor for step.c, rebuilt when a watched tensor moved (else the last one)."""

@@ -164,11 +164,12 @@ int cs336_layers(const i64 *dims, const i64 *layers, i64 n_layers, float eps, fl
         for (i64 i = 0; i < M * D; i++) x[i] = x[i] + y[i];
         rmsnorm(x, (const float *)L[1], h, M, D, eps);
         linear(L + LAYER_HEAD + 2 * LIN_FIELDS, h, M, D, gu, threads);
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (i64 i = 0; i < M * F; i++) {
-            float z = gu[(i / F) * 2 * F + i % F], u = gu[(i / F) * 2 * F + F + i % F];
-            a[i] = z / (1.f + expf(-z)) * u;
-        }
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+        for (i64 m = 0; m < M; m++)
+            for (i64 f = 0; f < F; f++) {
+                float z = gu[m * 2 * F + f], u = gu[m * 2 * F + F + f];
+                a[m * F + f] = z / (1.f + expf(-z)) * u;
+            }
         linear(L + LAYER_HEAD + 3 * LIN_FIELDS, a, M, F, y, threads);
         for (i64 i = 0; i < M * D; i++) x[i] = x[i] + y[i];
     }
