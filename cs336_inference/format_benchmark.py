@@ -251,6 +251,7 @@ def format_benchmark(
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "kernels": kernels.library() is not None,
+            "amx": kernels.build.amx_on,  # int4 and int8 products on AMX tiles (CS336_KERNELS_AMX=1)
             "read_bandwidth_bytes_per_s": bandwidth,
             "load_average": os.getloadavg(),
             "python": sys.version.split()[0],
@@ -277,7 +278,7 @@ def format_table(r: dict) -> str:
     env, st = r["env"], r["settings"]
     lines = [
         f"decode by weight format: {env['cpu']}, {env['threads']} threads, torch {env['torch']}, kernels "
-        f"{'on' if env['kernels'] else 'OFF'}; read bandwidth {env['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; "
+        f"{'on' if env['kernels'] else 'OFF'}{' (int4, int8 on AMX)' if env.get('amx') else ''}; read bandwidth {env['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; "
         f"batch 1, prompt {st['prompt_len']}, {st['new_tokens']} greedy steps, median of {st['rounds']} "
         f"interleaved rounds; load average {env['load_average'][0]:.1f}; output matrix of the quantized "
         f"formats: {'quantized' if st.get('quantize_head') else 'float32'}",

@@ -458,11 +458,28 @@ def _check_padding_mode(model, mode):
         )
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "int4"])
-def test_a_native_verify_pass_gives_each_row_the_bits_of_one_token_steps(fmt):
+@pytest.mark.parametrize("fmt", ["fp32", "int4", "int4-amx", "int8-amx"])
+def test_a_native_verify_pass_gives_each_row_the_bits_of_one_token_steps(fmt, monkeypatch):
     """Speculative decoding's greedy identity needs a row's logits not to depend on T: a native
-    4-token step equals 4 one-token steps bit for bit."""
-    model = _native_model("gqa", fmt)
+    4-token step equals 4 one-token steps bit for bit (also with the products on AMX tiles)."""
+    from cs336_inference.kernels import build
+
+    if fmt.endswith("-amx"):
+        monkeypatch.setenv("CS336_KERNELS_AMX", "1")
+        build.reset()
+        if build.library() is None or not build.amx_on:
+            build.reset()
+            pytest.skip("no AMX on this CPU or in this build")
+        monkeypatch.undo()  # the library keeps AMX on until the next load
+    try:
+        model = _native_model("gqa", fmt.removesuffix("-amx"))
+        _verify_pass_equals_single_steps(model, fmt)
+    finally:
+        if fmt.endswith("-amx"):
+            build.reset()
+
+
+def _verify_pass_equals_single_steps(model, fmt):
     prompt = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
     ids = torch.tensor([[5, 9, 2, 11]])
     with torch.inference_mode():

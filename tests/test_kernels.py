@@ -88,12 +88,14 @@ def inputs(M: int, d_in: int, layout: str, seed: int = 0) -> torch.Tensor:
     return torch.randn(d_in, M, generator=g).t()  # transposed: no unit stride along I
 
 
-def assert_close_to_reference(y, x, w64, b64, what):
+def assert_close_to_reference(y, x, w64, b64, what, limit=1e-5):
     ref = F.linear(x.double(), w64, b64)
     bound = F.linear(x.double().abs(), w64.abs()) + (0 if b64 is None else b64.abs())
     err = (y.double() - ref).abs()
     worst = (err / bound).max().item()
-    assert worst < 1e-5, f"{what}: error up to {worst:.3g} of sum |x||w| (float32 rounding is ~1e-7)"
+    assert worst < limit, (
+        f"{what}: error up to {worst:.3g} of sum |x||w|, over {limit:g} (float32 rounding is ~1e-7)"
+    )
 
 
 @pytest.mark.parametrize("mode", ["kernel", "fallback"])
@@ -268,6 +270,107 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kernels_on, name, d_out
             assert torch.equal(layer(x), full), f"{name}: 2 threads give other numbers than 1"
         finally:
             torch.set_num_threads(threads)
+
+
+# shapes the AMX kernels (kernels/amx.c) cover: outputs a multiple of 32, inputs (int8) or groups (int4)
+# a multiple of 64
+AMX_CASES = [
+    ("int4", 64, 128, 64),
+    ("int4", 96, 576, 64),
+    ("int4", 32, 1536, 128),
+    ("int8", 64, 128, None),
+    ("int8", 96, 576, None),
+    ("int8", 32, 1536, None),
+]
+AMX_IDS = [f"{name}-{o}x{i}" + (f"-g{g}" if g else "") for name, o, i, g in AMX_CASES]
+
+
+@pytest.fixture
+def amx(kernels_on, monkeypatch):
+    """The kernels with CS336_KERNELS_AMX=1 (int4 and int8 on AMX tiles), where this CPU and build have AMX."""
+    monkeypatch.setenv("CS336_KERNELS_AMX", "1")
+    build.reset()
+    lib = build.library()
+    if lib is None or not lib.cs336_amx_enable(1):
+        pytest.skip("no AMX on this CPU or in this build")
+    yield lib
+    lib.cs336_amx_enable(0)  # the loaded library keeps its switch; the next load sets it from the environment
+    build.reset()
+
+
+@pytest.mark.parametrize(("name", "d_out", "d_in", "group_size"), AMX_CASES, ids=AMX_IDS)
+def test_the_amx_int4_kernel_equals_the_reference_for_1_to_32_rows(amx, name, d_out, d_in, group_size):
+    """bf16 tiles, fp32 numbers: x split into three bf16 parts, q (int8) or q - zero (int4) exact, the scales
+    in fp32."""
+    layer, kernel, w64, b64 = make_layer(name, d_out, d_in, group_size)
+    with torch.inference_mode():
+        for M in [*range(1, 18), 21, 22, 32]:  # 22 and 32: more rows than one AMX call takes (21)
+            for layout in ("contiguous", "strided_rows", "transposed"):
+                x = inputs(M, d_in, layout, seed=M)
+                what = f"{name} {d_out}x{d_in} on AMX, M={M}, {layout} x"
+                direct = kernel(x)
+                assert direct is not None, f"{what}: the kernel declined"
+                # 5e-7, not 1e-5: fp32's rounding gives ~8e-8 here, and x in two bf16 parts (16 bits) ~1.5e-6
+                assert_close_to_reference(direct, x, w64, b64, what, limit=5e-7)
+                assert torch.equal(layer(x), direct), f"{what}: the layer did not use the kernel"
+
+
+@pytest.mark.parametrize(("name", "d_out", "d_in", "group_size"), AMX_CASES, ids=AMX_IDS)
+def test_on_amx_a_rows_result_does_not_depend_on_the_other_rows(amx, name, d_out, d_in, group_size):
+    """What speculative verification needs from AMX too: row m alone, among 17 or 32 rows, 1 or 2 threads."""
+    _, layer, _, _ = make_layer(name, d_out, d_in, group_size)
+    x = inputs(32, d_in, "contiguous", seed=11)[0]
+    with torch.inference_mode():
+        full = layer(x)
+        for M in (1, 2, 5, 16, 17, 21, 22):
+            assert torch.equal(layer(x[:M]), full[:M]), (
+                f"{name} on AMX: the first {M} rows differ from 32 rows"
+            )
+        for m in (0, 7, 21, 31):
+            assert torch.equal(layer(x[m : m + 1]), full[m : m + 1]), f"{name} on AMX: row {m} alone differs"
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(layer(x), full), f"{name} on AMX: 1 thread gives other numbers than {threads}"
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_shapes_amx_does_not_cover_keep_the_avx_kernels_numbers(amx):
+    """Groups of 10 or 32, 33 to 38 outputs, 70 inputs, and the formats AMX does not run: with AMX on,
+    bit for bit the numbers of AMX off."""
+    with torch.inference_mode():
+        for name, d_out, d_in, group_size in [c for c in CASES if not c[0].startswith("fp32")]:
+            _, kernel, _, _ = make_layer(name, d_out, d_in, group_size)
+            x = inputs(5, d_in, "contiguous", seed=2)
+            on = kernel(x)
+            amx.cs336_amx_enable(0)
+            off = kernel(x)
+            amx.cs336_amx_enable(1)
+            assert torch.equal(on, off), (
+                f"{name} {d_out}x{d_in} g{group_size}: AMX on changed an uncovered shape"
+            )
+
+
+def test_amx_asked_for_without_amx_is_one_line_and_the_kernels_still_run(monkeypatch, capfd):
+    """CS336_KERNELS_AMX=1 with a build that has no AMX (-march=haswell): one line, then AVX2's kernels."""
+    monkeypatch.delenv("CS336_KERNELS", raising=False)
+    monkeypatch.setenv("CS336_KERNELS_MARCH", "haswell")
+    monkeypatch.setenv("CS336_KERNELS_AMX", "1")
+    build.reset()
+    try:
+        if build.library() is None:
+            pytest.skip("could not build for -march=haswell here")
+        err = capfd.readouterr().err
+        assert err.count("CS336_KERNELS_AMX=1 but no AMX here") == 1, err
+        assert len(err.strip().splitlines()) == 1, err
+        name, d_out, d_in, group_size = AMX_CASES[1]
+        _, kernel, w64, b64 = make_layer(name, d_out, d_in, group_size)
+        x = inputs(5, d_in, "contiguous")
+        with torch.inference_mode():
+            assert_close_to_reference(kernel(x), x, w64, b64, "int4 on the AVX2 build with AMX asked for")
+    finally:
+        build.reset()
 
 
 def test_the_fp32_planner_keeps_our_kernel_unless_torch_is_clearly_faster(monkeypatch):

@@ -24,7 +24,8 @@
    tiles ahead (the hardware prefetcher alone left a core at about half of its read bandwidth).
 
    llm_int8 / w8a8 layers (int8 weights times int8 activations, quantized per row) have their own
-   kernel at the end of the file: exact int32 products with AVX512-VNNI.
+   kernel at the end of the file: exact int32 products with AVX512-VNNI. With CS336_KERNELS_AMX=1,
+   int4 and int8 products go to amx.c's tile kernels instead (same numbers to fp32 rounding).
 
    The column-major fp32 kernel (W^T stored [I, O], how layers.Linear keeps its weight) adds
    x[m, i] * W^T[i, o0:o0+32] into 32-wide tiles of y in input order (one fma chain per output).
@@ -488,14 +489,22 @@ void cs336_f32_rows(const float *x, i64 M, i64 I, i64 ldx, const float *w, i64 O
     rowmajor_mm(&W, x, M, I, ldx, O, bias, y, threads);
 }
 
+int cs336_amx_int8(const float *x, i64 M, i64 I, i64 ldx, const int8_t *q, const float *scale, i64 O,
+                   const float *bias, float *y, int threads); /* amx.c */
+
 void cs336_int8(const float *x, i64 M, i64 I, i64 ldx, const int8_t *q, const float *scale, i64 O,
                 const float *bias, float *y, int threads) {
+    if (cs336_amx_int8(x, M, I, ldx, q, scale, O, bias, y, threads)) return; /* CS336_KERNELS_AMX=1 */
     Weight W = {FMT_INT8, q, I, scale, NULL, NULL, 0, -1};
     rowmajor_mm(&W, x, M, I, ldx, O, bias, y, threads);
 }
 
+int cs336_amx_int4(const float *x, i64 M, i64 I, i64 ldx, const uint8_t *packed, const uint16_t *scale,
+                   const uint8_t *zero, i64 G, i64 O, const float *bias, float *y, int threads); /* amx.c */
+
 void cs336_int4(const float *x, i64 M, i64 I, i64 ldx, const uint8_t *packed, const uint16_t *scale,
                 const uint8_t *zero, i64 G, i64 O, const float *bias, float *y, int threads) {
+    if (cs336_amx_int4(x, M, I, ldx, packed, scale, zero, G, O, bias, y, threads)) return; /* CS336_KERNELS_AMX=1 */
     int gshift = -1;
     for (int k = 0; k < 31; k++)
         if (I / G == (i64)1 << k) gshift = k;
