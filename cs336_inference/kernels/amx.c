@@ -185,6 +185,138 @@ AI void int4_tile(int RA, int NCH, const uint32_t *xb, i64 I, const uint8_t *pac
         }
 }
 
+/* int4, one column tile (up to 5 rows), 16 weight rows: the 16 row sums stay in registers */
+static inline __attribute__((always_inline)) void int4_tile_1(const uint32_t *xb, i64 I, const uint8_t *packed,
+        const uint16_t *scale16, const uint8_t *zero, i64 G, i64 o0, i64 M, i64 O, const float *bias, float *y,
+        uint16_t (*abuf)[2][16][32], float (*cbuf)[16][16], float (*sf)[64]) {
+    const i64 KB = I / 32, rb = I / 2, per_group = I / G / 64;
+    const uint8_t *base = packed + o0 * rb;
+    __m512 acc[16];
+    for (int r = 0; r < 16; r++) {
+        acc[r] = _mm512_setzero_ps();
+        for (i64 g = 0; g < G; g++) sf[r][g] = _cvtsh_ss(scale16[(o0 + r) * G + g]);
+    }
+    for (i64 g = 0; g < G; g++) { /* group g in C tile g & 1; group g - 1 scaled once g's products are issued */
+        if (g & 1) _tile_zero(1); else _tile_zero(0);
+        for (i64 s = g * per_group; s < (g + 1) * per_group; s++) {
+            for (int r = 0; r < 16; r++) {
+                const uint8_t *p = base + r * rb + s * 32;
+                __builtin_prefetch(p + 16 * rb);
+                __m512i lut = LUT[zero[(o0 + r) * G + g]];
+                __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+                __m512i lo = _mm512_and_si512(q, _mm512_set1_epi16(0x0f)), hi = _mm512_srli_epi16(q, 4);
+                _mm512_store_si512(abuf[0][0][r], _mm512_permutexvar_epi16(lo, lut));
+                _mm512_store_si512(abuf[1][0][r], _mm512_permutexvar_epi16(hi, lut));
+            }
+            _tile_loadd(4, abuf[0][0], 64);
+            _tile_loadd(6, xb + (2 * s) * 256, 64);
+            _tile_loadd(5, abuf[1][0], 64);
+            _tile_loadd(7, xb + (2 * s + 1) * 256, 64);
+            if (g & 1) { _tile_dpbf16ps(1, 4, 6); _tile_dpbf16ps(1, 5, 7); }
+            else { _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(0, 5, 7); }
+        }
+        if (g > 0)
+            for (int r = 0; r < 16; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_load_ps(cbuf[(g - 1) & 1][r]), _mm512_set1_ps(sf[r][g - 1]), acc[r]);
+        if (g & 1) _tile_stored(1, cbuf[1], 64); else _tile_stored(0, cbuf[0], 64);
+    }
+    for (int r = 0; r < 16; r++)
+        acc[r] = _mm512_fmadd_ps(_mm512_load_ps(cbuf[(G - 1) & 1][r]), _mm512_set1_ps(sf[r][G - 1]), acc[r]);
+    float out[16][16] __attribute__((aligned(64)));
+    for (int r = 0; r < 16; r++) _mm512_store_ps(out[r], acc[r]);
+    (void)KB;
+    for (i64 m = 0; m < M; m++)
+        for (int r = 0; r < 16; r++) {
+            float v = (out[r][3 * m] + out[r][3 * m + 1]) + out[r][3 * m + 2];
+            y[m * O + o0 + r] = bias ? v + bias[o0 + r] : v;
+        }
+}
+
+/* int4, 2 or 3 column tiles (6 to 15 rows), 16 weight rows: as int4_tile_1, the sums in L1 */
+AI void t_zero6(int t) {
+    switch (t) {
+    case 0: _tile_zero(0); break;
+    case 1: _tile_zero(1); break;
+    case 2: _tile_zero(2); break;
+    case 3: _tile_zero(3); break;
+    case 4: _tile_zero(4); break;
+    default: _tile_zero(5); break;
+    }
+}
+AI void t_store6(int t, void *p) {
+    switch (t) {
+    case 0: _tile_stored(0, p, 64); break;
+    case 1: _tile_stored(1, p, 64); break;
+    case 2: _tile_stored(2, p, 64); break;
+    case 3: _tile_stored(3, p, 64); break;
+    case 4: _tile_stored(4, p, 64); break;
+    default: _tile_stored(5, p, 64); break;
+    }
+}
+AI void t_dp67(int t) { /* C tile t += A tile 6 . B tile 7 */
+    switch (t) {
+    case 0: _tile_dpbf16ps(0, 6, 7); break;
+    case 1: _tile_dpbf16ps(1, 6, 7); break;
+    case 2: _tile_dpbf16ps(2, 6, 7); break;
+    case 3: _tile_dpbf16ps(3, 6, 7); break;
+    case 4: _tile_dpbf16ps(4, 6, 7); break;
+    default: _tile_dpbf16ps(5, 6, 7); break;
+    }
+}
+
+AI void int4_tile_n(int NCH, const uint32_t *xb, i64 I, const uint8_t *packed, const uint16_t *scale16,
+                    const uint8_t *zero, i64 G, i64 o0, i64 M, i64 O, const float *bias, float *y,
+                    uint16_t (*abuf)[2][16][32], float (*cbuf)[16][16], float (*acc)[64], float (*sf)[64]) {
+    const i64 KB = I / 32, rb = I / 2, per_group = I / G / 64;
+    const uint8_t *base = packed + o0 * rb;
+    for (int r = 0; r < 16; r++) {
+        memset(acc[r], 0, sizeof(float) * 16 * NCH);
+        for (i64 g = 0; g < G; g++) sf[r][g] = _cvtsh_ss(scale16[(o0 + r) * G + g]);
+    }
+    for (i64 g = 0; g < G; g++) { /* group g in C tiles (g & 1) NCH + c; group g - 1 scaled after g's products */
+        const int par = (int)(g & 1);
+        for (int c = 0; c < NCH; c++) t_zero6(par * NCH + c);
+        for (i64 s = g * per_group; s < (g + 1) * per_group; s++) {
+            for (int r = 0; r < 16; r++) {
+                const uint8_t *p = base + r * rb + s * 32;
+                __builtin_prefetch(p + 16 * rb);
+                __m512i lut = LUT[zero[(o0 + r) * G + g]];
+                __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+                __m512i lo = _mm512_and_si512(q, _mm512_set1_epi16(0x0f)), hi = _mm512_srli_epi16(q, 4);
+                _mm512_store_si512(abuf[0][0][r], _mm512_permutexvar_epi16(lo, lut));
+                _mm512_store_si512(abuf[1][0][r], _mm512_permutexvar_epi16(hi, lut));
+            }
+            for (int h = 0; h < 2; h++) {
+                _tile_loadd(6, abuf[h][0], 64);
+                for (int c = 0; c < NCH; c++) {
+                    _tile_loadd(7, xb + (c * KB + 2 * s + h) * 256, 64);
+                    t_dp67(par * NCH + c);
+                }
+            }
+        }
+        if (g > 0)
+            for (int r = 0; r < 16; r++)
+                for (int c = 0; c < NCH; c++) {
+                    __m512 v = _mm512_load_ps(acc[r] + 16 * c);
+                    __m512 cg = _mm512_load_ps(cbuf[(1 - par) * NCH + c][r]);
+                    _mm512_store_ps(acc[r] + 16 * c, _mm512_fmadd_ps(cg, _mm512_set1_ps(sf[r][g - 1]), v));
+                }
+        for (int c = 0; c < NCH; c++) t_store6(par * NCH + c, cbuf[par * NCH + c]);
+    }
+    const int last = (int)((G - 1) & 1);
+    for (int r = 0; r < 16; r++)
+        for (int c = 0; c < NCH; c++) {
+            __m512 v = _mm512_load_ps(acc[r] + 16 * c);
+            __m512 cg = _mm512_load_ps(cbuf[last * NCH + c][r]);
+            _mm512_store_ps(acc[r] + 16 * c, _mm512_fmadd_ps(cg, _mm512_set1_ps(sf[r][G - 1]), v));
+        }
+    for (i64 m = 0; m < M; m++)
+        for (int r = 0; r < 16; r++) {
+            float v = (acc[r][3 * m] + acc[r][3 * m + 1]) + acc[r][3 * m + 2];
+            y[m * O + o0 + r] = bias ? v + bias[o0 + r] : v;
+        }
+}
+
 /* int8: A = bf16(q), exact for |q| <= 127; one sum per row over all of I, times the row's scale */
 AI void int8_tile(int RA, int NCH, const uint32_t *xb, i64 I, const int8_t *q, const float *scale, i64 o0, i64 M,
                   i64 O, const float *bias, float *y, uint16_t (*abuf)[2][16][32], float (*cbuf)[16][16]) {
@@ -192,20 +324,24 @@ AI void int8_tile(int RA, int NCH, const uint32_t *xb, i64 I, const int8_t *q, c
     const int R = 16 * RA;
     const int8_t *base = q + o0 * I;
     for (int t = 0; t < RA * NCH; t++) t_zero(t);
+#define INT8_DECODE(kb)                                                                                     \
+    for (int r = 0; r < R; r++) {                                                                           \
+        const int8_t *p = base + r * I + (kb) * 32;                                                         \
+        __builtin_prefetch(p + R * I);                                                                      \
+        __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));           \
+        __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));    \
+        _mm512_store_si512(abuf[(kb) & 1][r / 16][r % 16], (__m512i)_mm512_cvtne2ps_pbh(b, a));             \
+    }
+    INT8_DECODE(0)
     for (i64 kb = 0; kb < KB; kb++) {
-        for (int r = 0; r < R; r++) {
-            const int8_t *p = base + r * I + kb * 32;
-            __builtin_prefetch(p + R * I);
-            __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-            __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
-            _mm512_store_si512(abuf[kb & 1][r / 16][r % 16], (__m512i)_mm512_cvtne2ps_pbh(b, a));
-        }
+        if (kb + 1 < KB) { INT8_DECODE(kb + 1) } /* one block ahead: a tile never loads what was just stored */
         for (int a = 0; a < RA; a++) t_load(4 + a, abuf[kb & 1][a]);
         for (int c = 0; c < NCH; c++) {
             t_load(6 + (c & 1), xb + (c * KB + kb) * 256);
             for (int a = 0; a < RA; a++) t_dp(a * NCH + c, 4 + a, 6 + (c & 1));
         }
     }
+#undef INT8_DECODE
     for (int t = 0; t < RA * NCH; t++) t_store(t, cbuf[t]);
     for (i64 m = 0; m < M; m++)
         for (int r = 0; r < R; r++) {
@@ -228,7 +364,7 @@ typedef struct {
 
 static void amx_rows(const float *x, i64 M, i64 I, i64 ldx, const AmxWeight *W, i64 O, const float *bias, float *y,
                      int threads) {
-    const int NCH = (int)((3 * M + 15) / 16), RA = NCH <= 2 ? 2 : 1;
+    const int NCH = (int)((3 * M + 15) / 16), RA = W->int8 && NCH <= 2 ? 2 : 1; /* 16 RA weight rows a tile */
     const i64 KB = I / 32, S = I / 64, tiles = O / (16 * RA);
     uint32_t *xb = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * (size_t)(NCH * KB * 256));
 #pragma omp parallel num_threads(threads)
@@ -246,7 +382,7 @@ static void amx_rows(const float *x, i64 M, i64 I, i64 ldx, const AmxWeight *W, 
         for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* 0-3: C, 4-5: A, 6-7: B */
         _tile_loadconfig(&cfg);
         uint16_t abuf[2][2][16][32] __attribute__((aligned(64)));
-        float cbuf[4][16][16] __attribute__((aligned(64)));
+        float cbuf[6][16][16] __attribute__((aligned(64)));
         float acc[32][64] __attribute__((aligned(64)));
         float sf[32][64];
         const float *s8 = (const float *)W->scale;
@@ -263,8 +399,8 @@ static void amx_rows(const float *x, i64 M, i64 I, i64 ldx, const AmxWeight *W, 
                 default: int8_tile(1, 4, xb, I, q8, s8, o0, M, O, bias, y, abuf, cbuf); break;
                 }
             else switch (NCH) {
-                case 1: int4_tile(2, 1, xb, I, q4, s4, W->zero, W->G, o0, M, O, bias, y, abuf, cbuf, acc, sf); break;
-                case 2: int4_tile(2, 2, xb, I, q4, s4, W->zero, W->G, o0, M, O, bias, y, abuf, cbuf, acc, sf); break;
+                case 1: int4_tile_1(xb, I, q4, s4, W->zero, W->G, o0, M, O, bias, y, abuf, cbuf, sf); break;
+                case 2: int4_tile_n(2, xb, I, q4, s4, W->zero, W->G, o0, M, O, bias, y, abuf, cbuf, acc, sf); break;
                 case 3: int4_tile(1, 3, xb, I, q4, s4, W->zero, W->G, o0, M, O, bias, y, abuf, cbuf, acc, sf); break;
                 default: int4_tile(1, 4, xb, I, q4, s4, W->zero, W->G, o0, M, O, bias, y, abuf, cbuf, acc, sf); break;
                 }
