@@ -160,6 +160,7 @@ def format_benchmark(
     compiled: bool = False,
     gguf_source=None,
     native: bool = False,
+    amx: bool = False,
 ) -> dict:
     """The interleaved comparison (module docstring) as a JSON-ready dict.
 
@@ -168,7 +169,9 @@ def format_benchmark(
     bytes per step. gguf_source: the GGUF file the model came from (llama.cpp's rows take its tokenizer;
     without one they are skipped). compiled / native: rows "ours FMT compiled" / "ours FMT native"
     with kernels/graphs.py's fixed-shape step in that mode; native also measures the T-token
-    costs of its T-token steps ("t_token_cost_native")."""
+    costs of its T-token steps ("t_token_cost_native"). amx (with native): rows "ours FMT native amx"
+    for int8 and int4 with their products on AMX tiles (kernels/amx.c, switched on around each of
+    those timings only), and their T-token costs ("t_token_cost_native_amx")."""
     from . import kernels
     from .quantization import quantize_model
 
@@ -187,6 +190,11 @@ def format_benchmark(
     if native:
         for fmt, m in models.items():
             contenders[f"ours {fmt} native"] = lambda m=m: decode_seconds(m, prompt, new_tokens, "native")
+    amx_models = {fmt: m for fmt, m in models.items() if fmt in AMX_FORMATS} if native and amx else {}
+    for fmt, m in amx_models.items():
+        contenders[f"ours {fmt} native amx"] = lambda m=m: on_amx(
+            decode_seconds, m, prompt, new_tokens, "native"
+        )
     if hf is not None:
         contenders["transformers fp32"] = lambda: hf_decode_seconds(hf, prompt, new_tokens)
     llama_note = None
@@ -245,6 +253,13 @@ def format_benchmark(
         base = forward_seconds(m, prompt, 1, 2 * rounds + 3, "native")
         t_native[fmt] = {T: forward_seconds(m, prompt, T, 2 * rounds + 3, "native") / base for T in T_SIZES}
         log(f"  {fmt} native steps: " + ", ".join(f"T={T} {v:.2f}x" for T, v in t_native[fmt].items()))
+    t_amx = {}
+    for fmt, m in amx_models.items():
+        base = on_amx(forward_seconds, m, prompt, 1, 2 * rounds + 3, "native")
+        t_amx[fmt] = {
+            T: on_amx(forward_seconds, m, prompt, T, 2 * rounds + 3, "native") / base for T in T_SIZES
+        }
+        log(f"  {fmt} native steps on AMX: " + ", ".join(f"T={T} {v:.2f}x" for T, v in t_amx[fmt].items()))
     return {
         "env": {
             "cpu": cpu_name(),
@@ -264,14 +279,31 @@ def format_benchmark(
             "quantize_head": quantize_head,
             "compiled": compiled,
             "native": native,
+            "amx": bool(amx_models),
         },
         "parameters": params,
         "kv_bytes_per_step": kv,
         "rows": rows,
         "t_token_cost": t_cost,
         "t_token_cost_native": t_native,
+        "t_token_cost_native_amx": t_amx,
         "llama_cpp": llama_note or "ran",
     }
+
+
+AMX_FORMATS = ("int8", "int4")  # the formats kernels/amx.c runs
+
+
+def on_amx(fn, *args):
+    """fn(*args) with the int8 / int4 products on AMX tiles, the switch as it was afterwards."""
+    from .kernels import build
+
+    lib = build.library()
+    lib.cs336_amx_enable(1)
+    try:
+        return fn(*args)
+    finally:
+        lib.cs336_amx_enable(int(build.amx_on))
 
 
 def format_table(r: dict) -> str:
@@ -292,11 +324,13 @@ def format_table(r: dict) -> str:
         vs = f"{row['vs_ours_fp32']:.2f}x" if row.get("vs_ours_fp32") else "-"
         lines.append(f"{name:<24}{row['tokens_per_s']:>8.1f}{vs:>9}{bits:>8}{mb:>9}{frac:>10}")
     lines += ["", "cost of a T-token forward against the cache, relative to T = 1:"]
-    lines.append(f"{'':<8}" + "".join(f"{f'T={T}':>8}" for T in T_SIZES))
+    lines.append(f"{'':<12}" + "".join(f"{f'T={T}':>8}" for T in T_SIZES))
     for fmt, cost in r["t_token_cost"].items():
-        lines.append(f"{fmt:<8}" + "".join(f"{cost[T]:>7.2f}x" for T in T_SIZES))
+        lines.append(f"{fmt:<12}" + "".join(f"{cost[T]:>7.2f}x" for T in T_SIZES))
     for fmt, cost in r.get("t_token_cost_native", {}).items():  # the native fixed-shape steps
-        lines.append(f"{fmt + ' n':<8}" + "".join(f"{cost[T]:>7.2f}x" for T in T_SIZES))
+        lines.append(f"{fmt + ' n':<12}" + "".join(f"{cost[T]:>7.2f}x" for T in T_SIZES))
+    for fmt, cost in r.get("t_token_cost_native_amx", {}).items():  # the same on AMX tiles
+        lines.append(f"{fmt + ' n amx':<12}" + "".join(f"{cost[T]:>7.2f}x" for T in T_SIZES))
     if r["llama_cpp"] != "ran":
         lines += ["", r["llama_cpp"]]
     return "\n".join(lines)
@@ -318,6 +352,7 @@ def plot(r: dict, path: Path) -> None:
     )
     # one colour per contender and way of running it, the format written next to each point
     colours = {"ours": "tab:gray", "ours compiled": "tab:blue", "ours native": "tab:red"}
+    colours |= {"ours native amx": "tab:orange"}
     colours |= {"llama.cpp": "tab:green", "transformers": "black"}
     labelled = set()
     for name, row in r["rows"].items():

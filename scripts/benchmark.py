@@ -100,6 +100,7 @@ def run_formats(args: argparse.Namespace, model, source: Path, prompt: torch.Ten
         quantize_head=args.quantize_head,
         compiled=args.compiled,
         native=args.native,
+        amx=args.amx,
         gguf_source=source if source.suffix == ".gguf" else None,
     )
     result["table"] = fb.format_table(result)
@@ -108,6 +109,22 @@ def run_formats(args: argparse.Namespace, model, source: Path, prompt: torch.Ten
         fb.plot(result, args.png)
         log(f"wrote {args.png}")
     return result
+
+
+def check_amx(args: argparse.Namespace) -> None:
+    """--amx needs --native and a CPU and build with AMX tiles: otherwise one line before any work."""
+    if not getattr(args, "amx", False):
+        return
+    if not args.native:
+        raise BenchmarkError("--amx times native steps: add --native")
+    from cs336_inference.kernels import build
+
+    lib = build.library()
+    if lib is None or not lib.cs336_amx_enable(1):
+        raise BenchmarkError(
+            "--amx: no AMX tiles on this CPU or in this build of the kernels (kernels/amx.c)"
+        )
+    lib.cs336_amx_enable(int(build.amx_on))
 
 
 def run_decode(args: argparse.Namespace) -> dict:
@@ -382,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also time each format with the native fixed-shape step (every layer in one C call), "
         "and its T-token steps",
     )
+    dec.add_argument(
+        "--amx",
+        action="store_true",
+        help="with --native: also time int8 and int4 with their products on Intel AMX tiles "
+        "(kernels/amx.c; CS336_KERNELS_AMX=1 turns that on for everything)",
+    )
     spec = sub.add_parser("speculative", help="speculative decoding: alpha, tokens/pass, speedup vs k")
     spec.add_argument("--model", help="target checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     spec.add_argument(
@@ -454,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise BenchmarkError(
                     f"--runs must be >= 1 and --new-tokens >= 2, got {args.runs}, {args.new_tokens}"
                 )
+            check_amx(args)
             result = run_decode(args)
     except (BenchmarkError, ValueError, OSError, RuntimeError) as e:
         print(f"benchmark.py: error: {e}", file=sys.stderr)

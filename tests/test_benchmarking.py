@@ -53,6 +53,47 @@ def test_decode_benchmark_on_a_tiny_model():
     assert report.count("[met]") + report.count("[MISSED]") == len(result["targets"]) == 2
 
 
+def test_format_benchmark_adds_amx_rows_and_leaves_amx_off_afterwards():
+    from cs336_inference import format_benchmark as fb
+    from cs336_inference.kernels import build
+
+    model, prompt = _one_layer_model_with_kernels()
+    lib = build.library()
+    if not lib.cs336_amx_enable(1):
+        pytest.skip("no AMX on this CPU or in this build")
+    lib.cs336_amx_enable(0)
+    r = fb.format_benchmark(
+        model, prompt, ["fp32", "int8"], new_tokens=2, rounds=1, llama_cpp=False, native=True, amx=True
+    )
+    assert {"ours int8 native amx", "ours int8 native"} <= set(r["rows"]) and "ours fp32 native amx" not in r[
+        "rows"
+    ]
+    assert r["settings"]["amx"] and set(r["t_token_cost_native_amx"]) == {"int8"}
+    assert "int8 n amx" in fb.format_table(r)
+    # the switch is off again: an AMX-sized int8 product gives the AVX kernel's bits
+    q, scale = torch.randint(-127, 128, (32, 64), dtype=torch.int8), torch.rand(32)
+    x, y = torch.randn(2, 64), torch.empty(2, 32)
+
+    def product():
+        lib.cs336_int8(x.data_ptr(), 2, 64, 64, q.data_ptr(), scale.data_ptr(), 32, None, y.data_ptr(), 1)
+        return y.clone()
+
+    after = product()
+    lib.cs336_amx_enable(1)
+    on = product()
+    lib.cs336_amx_enable(0)
+    assert not torch.equal(after, on) and torch.equal(after, product()), "AMX was left on after the benchmark"
+
+
+def test_decode_benchmark_amx_without_native_is_one_line(capsys):
+    spec = importlib.util.spec_from_file_location("benchmark_script", ROOT / "scripts" / "benchmark.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["decode", "--formats-only", "--amx"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["benchmark.py: error: --amx times native steps: add --native"], err
+
+
 def test_a_prompt_longer_than_the_window_is_one_clear_error():
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, d_ff=48, max_seq_len=16)
     model = TransformerLM(cfg).eval()
