@@ -577,11 +577,24 @@ def test_smollm2_greedy_tokens_with_and_without_kernels(monkeypatch, method):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["fp32", "int8", "int4", "q4_0"])
+@pytest.mark.parametrize("method", ["fp32", "int8", "int4", "q4_0", "int8-amx", "int4-amx"])
 def test_smollm2_native_step_gives_generates_greedy_tokens(method):
     """64 greedy tokens of SmolLM2 through the native step (every layer in one C call, kernels/step.c)
     equal `generate`'s (the model's own forward), and so do 5-token verify passes of speculative
-    decoding with prompt lookup on a prompt that repeats itself."""
+    decoding with prompt lookup on a prompt that repeats itself (-amx: every product on AMX tiles)."""
+    if method.endswith("-amx"):
+        lib = build.library()
+        if lib is None or not lib.cs336_amx_enable(1):
+            pytest.skip("no AMX on this CPU or in this build")
+        try:
+            _smollm2_native_greedy(method.removesuffix("-amx"))
+        finally:
+            lib.cs336_amx_enable(0)
+    else:
+        _smollm2_native_greedy(method)
+
+
+def _smollm2_native_greedy(method: str) -> None:
     from cs336_inference.checkpoint import default_model_path, load_pretrained
     from cs336_inference.kernels.graphs import graph_generate
     from cs336_inference.speculative import speculative_generate

@@ -13,7 +13,7 @@ build.py    compiles decode.c, amx.c and step.c on first use (gcc -O3 -march=nat
 decode.c    the kernels: fp32 (row- or column-major), int8, int4, Q8_0, Q4_0, Q4_1 weights times float
             activations; int8 x int8 (llm_int8 / w8a8: activations quantized per row, AVX512-VNNI)
 amx.c       int4 and int8 on Intel AMX bf16 tiles with x in three bf16 parts (fp32's numbers): a 17-row
-            pass for about 2.5 one-row ones, but the one row 1.3-1.4x slower, so opt-in (CS336_KERNELS_AMX=1)
+            step for 2.2-2.3 one-row ones, but the one row 1.2-1.5x slower, so opt-in (CS336_KERNELS_AMX=1)
 ops.py      argument checks and calls (None when a call is not one the kernels handle); the ops
             cs336::* that a compiled step calls, with Python bodies
 native.cpp  the same ops with C++ bodies (cs336_native::*), built with torch.utils.cpp_extension

@@ -10,7 +10,7 @@ source or another CPU builds anew and concurrent processes never see a half-writ
     CS336_KERNELS_MARCH=x  compile for -march=x instead of the running CPU (tests: the AVX2 path)
     CS336_KERNELS_NATIVE=0 compiled steps call the ops' Python bodies, not native.cpp's C++ ones
     CS336_KERNELS_AMX=1    int4 and int8 products of every row count on Intel AMX tiles (amx.c; off
-                           by default: much faster at 5 to 32 rows, about 1.3x slower at one)
+                           by default: faster from about 5 rows, 1.2-1.5x slower at one)
 
 Why a plain C file + ctypes: it builds in about a second with no torch headers (a
 torch.utils.cpp_extension build of the same kernels takes tens of seconds and needs ninja and the
