@@ -142,6 +142,21 @@ static void x_columns(const float *x, i64 m, i64 s, i64 I, i64 ldx, uint32_t *xb
     }
 }
 
+/* int4 rows o0 .. o0 + R - 1, superblock s (in group g), as bf16 A blocks of (q - zero): abuf[0] the
+   low nibbles (even weights), abuf[1] the high ones (odd); weight row r at abuf[h][r / 16][r % 16] */
+AI void int4_decode(const uint8_t *base, i64 rb, int R, i64 s, const uint8_t *zero, i64 G, i64 o0, i64 g,
+                    uint16_t (*abuf)[2][16][32]) {
+    for (int r = 0; r < R; r++) {
+        const uint8_t *p = base + r * rb + s * 32;
+        __builtin_prefetch(p + R * rb); /* the next tile's rows */
+        __m512i lut = LUT[zero[(o0 + r) * G + g]];
+        __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+        __m512i lo = _mm512_and_si512(q, _mm512_set1_epi16(0x0f)), hi = _mm512_srli_epi16(q, 4);
+        _mm512_store_si512(abuf[0][r / 16][r % 16], _mm512_permutexvar_epi16(lo, lut));
+        _mm512_store_si512(abuf[1][r / 16][r % 16], _mm512_permutexvar_epi16(hi, lut));
+    }
+}
+
 /* int4, 3 or 4 column tiles (11 to 21 rows), 16 RA weight rows from o0: y[m, o0 + r] for the call's
    M rows; each group's sums are scaled into acc as soon as its products are done */
 AI void int4_tile(int RA, int NCH, const uint32_t *xb, i64 I, const uint8_t *packed, const uint16_t *scale16,
@@ -157,15 +172,7 @@ AI void int4_tile(int RA, int NCH, const uint32_t *xb, i64 I, const uint8_t *pac
     for (i64 g = 0; g < G; g++) {
         for (int t = 0; t < RA * NCH; t++) t_zero(t);
         for (i64 s = g * per_group; s < (g + 1) * per_group; s++) {
-            for (int r = 0; r < R; r++) { /* 64 weights of row r: low nibbles -> block 0, high -> block 1 */
-                const uint8_t *p = base + r * rb + s * 32;
-                __builtin_prefetch(p + R * rb);
-                __m512i lut = LUT[zero[(o0 + r) * G + g]];
-                __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
-                __m512i lo = _mm512_and_si512(q, _mm512_set1_epi16(0x0f)), hi = _mm512_srli_epi16(q, 4);
-                _mm512_store_si512(abuf[0][r / 16][r % 16], _mm512_permutexvar_epi16(lo, lut));
-                _mm512_store_si512(abuf[1][r / 16][r % 16], _mm512_permutexvar_epi16(hi, lut));
-            }
+            int4_decode(base, rb, R, s, zero, G, o0, g, abuf);
             for (int h = 0; h < 2; h++) {
                 for (int a = 0; a < RA; a++) t_load(4 + a, abuf[h][a]);
                 for (int c = 0; c < NCH; c++) {
@@ -208,15 +215,7 @@ AI void int4_tile_1(const uint32_t *xb, i64 I, const uint8_t *packed, const uint
     for (i64 g = 0; g < G; g++) { /* group g in C tile g & 1; group g - 1 scaled once g's products are issued */
         if (g & 1) _tile_zero(1); else _tile_zero(0);
         for (i64 s = g * per_group; s < (g + 1) * per_group; s++) {
-            for (int r = 0; r < 16; r++) {
-                const uint8_t *p = base + r * rb + s * 32;
-                __builtin_prefetch(p + 16 * rb);
-                __m512i lut = LUT[zero[(o0 + r) * G + g]];
-                __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
-                __m512i lo = _mm512_and_si512(q, _mm512_set1_epi16(0x0f)), hi = _mm512_srli_epi16(q, 4);
-                _mm512_store_si512(abuf[0][0][r], _mm512_permutexvar_epi16(lo, lut));
-                _mm512_store_si512(abuf[1][0][r], _mm512_permutexvar_epi16(hi, lut));
-            }
+            int4_decode(base, rb, 16, s, zero, G, o0, g, abuf);
             _tile_loadd(4, abuf[0][0], 64);
             _tile_loadd(6, xb + (2 * s) * 256, 64);
             _tile_loadd(5, abuf[1][0], 64);
@@ -265,15 +264,7 @@ AI void int4_tile_n(int NCH, const uint32_t *xb, i64 I, const uint8_t *packed, c
         const int par = (int)(g & 1);
         for (int c = 0; c < NCH; c++) t_zero(par * NCH + c);
         for (i64 s = g * per_group; s < (g + 1) * per_group; s++) {
-            for (int r = 0; r < 16; r++) {
-                const uint8_t *p = base + r * rb + s * 32;
-                __builtin_prefetch(p + 16 * rb);
-                __m512i lut = LUT[zero[(o0 + r) * G + g]];
-                __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
-                __m512i lo = _mm512_and_si512(q, _mm512_set1_epi16(0x0f)), hi = _mm512_srli_epi16(q, 4);
-                _mm512_store_si512(abuf[0][0][r], _mm512_permutexvar_epi16(lo, lut));
-                _mm512_store_si512(abuf[1][0][r], _mm512_permutexvar_epi16(hi, lut));
-            }
+            int4_decode(base, rb, 16, s, zero, G, o0, g, abuf);
             for (int h = 0; h < 2; h++) {
                 _tile_loadd(6, abuf[h][0], 64);
                 for (int c = 0; c < NCH; c++) {
