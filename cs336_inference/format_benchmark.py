@@ -298,12 +298,8 @@ def on_amx(fn, *args):
     """fn(*args) with the int8 / int4 products on AMX tiles, the switch as it was afterwards."""
     from .kernels import build
 
-    lib = build.library()
-    lib.cs336_amx_enable(1)
-    try:
+    with build.amx_switched_on():
         return fn(*args)
-    finally:
-        lib.cs336_amx_enable(int(build.amx_on))
 
 
 def format_table(r: dict) -> str:

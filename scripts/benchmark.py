@@ -119,12 +119,11 @@ def check_amx(args: argparse.Namespace) -> None:
         raise BenchmarkError("--amx times native steps: add --native")
     from cs336_inference.kernels import build
 
-    lib = build.library()
-    if lib is None or not lib.cs336_amx_enable(1):
-        raise BenchmarkError(
-            "--amx: no AMX tiles on this CPU or in this build of the kernels (kernels/amx.c)"
-        )
-    lib.cs336_amx_enable(int(build.amx_on))
+    with build.amx_switched_on() as on:
+        if not on:
+            raise BenchmarkError(
+                "--amx: no AMX tiles on this CPU or in this build of the kernels (kernels/amx.c)"
+            )
 
 
 def run_decode(args: argparse.Namespace) -> dict:

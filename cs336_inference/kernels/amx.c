@@ -157,42 +157,54 @@ AI void int4_decode(const uint8_t *base, i64 rb, int R, i64 s, const uint8_t *ze
     }
 }
 
-/* int4, 3 or 4 column tiles (11 to 21 rows), 16 RA weight rows from o0: y[m, o0 + r] for the call's
-   M rows; each group's sums are scaled into acc as soon as its products are done */
-AI void int4_tile(int RA, int NCH, const uint32_t *xb, i64 I, const uint8_t *packed, const uint16_t *scale16,
+/* y[m, o0 + r] = (hi + mid) + lo of row r's three columns 3 m + p (+ bias), for R weight rows whose
+   sums sit at sums + r * stride */
+AI void write_rows(const float *sums, i64 stride, int R, i64 M, i64 o0, i64 O, const float *bias, float *y) {
+    for (i64 m = 0; m < M; m++)
+        for (int r = 0; r < R; r++) {
+            const float *c = sums + r * stride + 3 * m;
+            float v = (c[0] + c[1]) + c[2];
+            y[m * O + o0 + r] = bias ? v + bias[o0 + r] : v;
+        }
+}
+
+/* acc[r][16 c ..] += group g's sums (C tiles first + c, stored in cbuf) times row r's scale, in fp32 */
+AI void scale_group(float (*acc)[64], float (*cbuf)[16][16], int first, int NCH, const uint16_t *scale16, i64 o0,
+                    i64 G, i64 g) {
+    for (int r = 0; r < 16; r++) {
+        __m512 sc = _mm512_set1_ps(_cvtsh_ss(scale16[(o0 + r) * G + g]));
+        for (int c = 0; c < NCH; c++) {
+            __m512 v = _mm512_load_ps(acc[r] + 16 * c);
+            _mm512_store_ps(acc[r] + 16 * c, _mm512_fmadd_ps(_mm512_load_ps(cbuf[first + c][r]), sc, v));
+        }
+    }
+}
+
+/* int4, 3 or 4 column tiles (11 to 21 rows), 16 weight rows from o0: y[m, o0 + r] for the call's M
+   rows; each group's sums are scaled into acc as soon as its products are done (there are not tiles
+   enough to alternate, as int4_tile_1 and int4_tile_n do) */
+AI void int4_tile(int NCH, const uint32_t *xb, i64 I, const uint8_t *packed, const uint16_t *scale16,
                   const uint8_t *zero, i64 G, i64 o0, i64 M, i64 O, const float *bias, float *y,
                   uint16_t (*abuf)[2][16][32], float (*cbuf)[16][16], float (*acc)[64]) {
     const i64 KB = I / 32, rb = I / 2, per_group = I / G / 64; /* superblocks per group */
-    const int R = 16 * RA;
     const uint8_t *base = packed + o0 * rb;
-    for (int r = 0; r < R; r++) memset(acc[r], 0, sizeof(float) * 16 * NCH);
+    for (int r = 0; r < 16; r++) memset(acc[r], 0, sizeof(float) * 16 * NCH);
     for (i64 g = 0; g < G; g++) {
-        for (int t = 0; t < RA * NCH; t++) t_zero(t);
+        for (int c = 0; c < NCH; c++) t_zero(c);
         for (i64 s = g * per_group; s < (g + 1) * per_group; s++) {
-            int4_decode(base, rb, R, s, zero, G, o0, g, abuf);
+            int4_decode(base, rb, 16, s, zero, G, o0, g, abuf);
             for (int h = 0; h < 2; h++) {
-                for (int a = 0; a < RA; a++) t_load(4 + a, abuf[h][a]);
+                t_load(4, abuf[h][0]);
                 for (int c = 0; c < NCH; c++) {
                     t_load(6 + (c & 1), xb + (c * KB + 2 * s + h) * 256);
-                    for (int a = 0; a < RA; a++) t_dp(a * NCH + c, 4 + a, 6 + (c & 1));
+                    t_dp(c, 4, 6 + (c & 1));
                 }
             }
         }
-        for (int t = 0; t < RA * NCH; t++) t_store(t, cbuf[t]);
-        for (int r = 0; r < R; r++) { /* the group's scale, in fp32 */
-            __m512 sc = _mm512_set1_ps(_cvtsh_ss(scale16[(o0 + r) * G + g]));
-            for (int c = 0; c < NCH; c++) {
-                __m512 v = _mm512_load_ps(acc[r] + 16 * c);
-                __m512 cg = _mm512_load_ps(cbuf[(r / 16) * NCH + c][r % 16]);
-                _mm512_store_ps(acc[r] + 16 * c, _mm512_fmadd_ps(cg, sc, v));
-            }
-        }
+        for (int c = 0; c < NCH; c++) t_store(c, cbuf[c]);
+        scale_group(acc, cbuf, 0, NCH, scale16, o0, G, g);
     }
-    for (i64 m = 0; m < M; m++)
-        for (int r = 0; r < R; r++) {
-            float v = (acc[r][3 * m] + acc[r][3 * m + 1]) + acc[r][3 * m + 2];
-            y[m * O + o0 + r] = bias ? v + bias[o0 + r] : v;
-        }
+    write_rows(acc[0], 64, 16, M, o0, O, bias, y);
 }
 
 /* int4, one column tile (up to 5 rows), 16 weight rows. The 16 row sums stay in registers, and the
@@ -226,11 +238,7 @@ AI void int4_tile_1(const uint32_t *xb, i64 I, const uint8_t *packed, const uint
         acc[r] = _mm512_fmadd_ps(_mm512_load_ps(cbuf[(G - 1) & 1][r]), _mm512_set1_ps(_cvtsh_ss(scale16[(o0 + r) * G + G - 1])), acc[r]);
     float out[16][16] __attribute__((aligned(64)));
     for (int r = 0; r < 16; r++) _mm512_store_ps(out[r], acc[r]);
-    for (i64 m = 0; m < M; m++)
-        for (int r = 0; r < 16; r++) {
-            float v = (out[r][3 * m] + out[r][3 * m + 1]) + out[r][3 * m + 2];
-            y[m * O + o0 + r] = bias ? v + bias[o0 + r] : v;
-        }
+    write_rows(out[0], 16, 16, M, o0, O, bias, y);
 }
 
 /* int4, two column tiles (6 to 10 rows), 16 weight rows: as int4_tile_1 with its sums in L1 */
@@ -264,27 +272,11 @@ AI void int4_tile_n(int NCH, const uint32_t *xb, i64 I, const uint8_t *packed, c
                 }
             }
         }
-        if (g > 0)
-            for (int r = 0; r < 16; r++)
-                for (int c = 0; c < NCH; c++) {
-                    __m512 v = _mm512_load_ps(acc[r] + 16 * c);
-                    __m512 cg = _mm512_load_ps(cbuf[(1 - par) * NCH + c][r]);
-                    _mm512_store_ps(acc[r] + 16 * c, _mm512_fmadd_ps(cg, _mm512_set1_ps(_cvtsh_ss(scale16[(o0 + r) * G + g - 1])), v));
-                }
+        if (g > 0) scale_group(acc, cbuf, (1 - par) * NCH, NCH, scale16, o0, G, g - 1);
         for (int c = 0; c < NCH; c++) t_store(par * NCH + c, cbuf[par * NCH + c]);
     }
-    const int last = (int)((G - 1) & 1);
-    for (int r = 0; r < 16; r++)
-        for (int c = 0; c < NCH; c++) {
-            __m512 v = _mm512_load_ps(acc[r] + 16 * c);
-            __m512 cg = _mm512_load_ps(cbuf[last * NCH + c][r]);
-            _mm512_store_ps(acc[r] + 16 * c, _mm512_fmadd_ps(cg, _mm512_set1_ps(_cvtsh_ss(scale16[(o0 + r) * G + G - 1])), v));
-        }
-    for (i64 m = 0; m < M; m++)
-        for (int r = 0; r < 16; r++) {
-            float v = (acc[r][3 * m] + acc[r][3 * m + 1]) + acc[r][3 * m + 2];
-            y[m * O + o0 + r] = bias ? v + bias[o0 + r] : v;
-        }
+    scale_group(acc, cbuf, (int)((G - 1) & 1) * NCH, NCH, scale16, o0, G, G - 1);
+    write_rows(acc[0], 64, 16, M, o0, O, bias, y);
 }
 
 /* int8: A = bf16(q), exact for |q| <= 127; one sum per row over all of I, times the row's scale */
@@ -370,8 +362,8 @@ static void amx_rows(const float *x, i64 M, i64 I, i64 ldx, const AmxWeight *W, 
             else switch (NCH) {
                 case 1: int4_tile_1(xb, I, q4, s4, W->zero, W->G, o0, M, O, bias, y, abuf, cbuf); break;
                 case 2: int4_tile_n(2, xb, I, q4, s4, W->zero, W->G, o0, M, O, bias, y, abuf, cbuf, acc); break;
-                case 3: int4_tile(1, 3, xb, I, q4, s4, W->zero, W->G, o0, M, O, bias, y, abuf, cbuf, acc); break;
-                default: int4_tile(1, 4, xb, I, q4, s4, W->zero, W->G, o0, M, O, bias, y, abuf, cbuf, acc); break;
+                case 3: int4_tile(3, xb, I, q4, s4, W->zero, W->G, o0, M, O, bias, y, abuf, cbuf, acc); break;
+                default: int4_tile(4, xb, I, q4, s4, W->zero, W->G, o0, M, O, bias, y, abuf, cbuf, acc); break;
                 }
         }
         _tile_release();

@@ -1,5 +1,5 @@
-"""Build decode.c (the products), amx.c (int4 products on AMX) and step.c (the decoder layers) on
-first use, as one library loaded with ctypes; None (and one line on stderr) if that fails.
+"""Build decode.c (the products), amx.c (int8 and int4 products on AMX tiles) and step.c (the decoder
+layers) on first use, as one library loaded with ctypes; None (and one line on stderr) if that fails.
 
 The shared library is cached under $CS336_KERNELS_CACHE (default ~/.cache/cs336_inference/kernels),
 named by a hash of the source, the compiler, its flags and this CPU's feature flags, so a changed
@@ -20,6 +20,7 @@ decode step's products (see the package docstring for the numbers).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -32,7 +33,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("decode.c")
 STEP_SOURCE = Path(__file__).with_name("step.c")  # the decoder layers in one call (native_step.py)
-AMX_SOURCE = Path(__file__).with_name("amx.c")  # int4 on AMX tiles (CS336_KERNELS_AMX=1)
+AMX_SOURCE = Path(__file__).with_name("amx.c")  # int8 and int4 on AMX tiles (CS336_KERNELS_AMX=1)
 SOURCES = (SOURCE, AMX_SOURCE, STEP_SOURCE)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp"]
 
@@ -49,9 +50,9 @@ _tried = False
 amx_on = False  # int4 and int8 products on AMX tiles (CS336_KERNELS_AMX=1 on a CPU that has them)
 
 
-def switched_on(variable: str) -> bool:
-    """An on/off environment variable, on unless set to 0 / false / no / off."""
-    return os.environ.get(variable, "1").strip().lower() not in ("0", "false", "no", "off")
+def switched_on(variable: str, default: str = "1") -> bool:
+    """An on/off environment variable, on unless set (or by default) to 0 / false / no / off."""
+    return os.environ.get(variable, default).strip().lower() not in ("0", "false", "no", "off")
 
 
 def enabled() -> bool:
@@ -154,14 +155,27 @@ def library() -> ctypes.CDLL | None:
 
 
 def _switch_amx(lib: ctypes.CDLL) -> None:
-    """CS336_KERNELS_AMX=1: int4 and int8 products on AMX tiles (one line on stderr where there are none)."""
+    """CS336_KERNELS_AMX=1: int8 and int4 products on AMX tiles (one line on stderr where there are none)."""
     global amx_on
-    wanted = os.environ.get("CS336_KERNELS_AMX", "0").strip().lower() not in ("", "0", "false", "no", "off")
+    wanted = switched_on("CS336_KERNELS_AMX", default="0")
     amx_on = bool(lib.cs336_amx_enable(int(wanted)))
     if wanted and not amx_on:
         print(
-            "cs336_inference.kernels: CS336_KERNELS_AMX=1 but no AMX here; int4 runs on AVX", file=sys.stderr
+            "cs336_inference.kernels: CS336_KERNELS_AMX=1 but no AMX here; int8 and int4 run on AVX",
+            file=sys.stderr,
         )
+
+
+@contextlib.contextmanager
+def amx_switched_on():
+    """int8 / int4 products on AMX tiles inside the block (it gets whether they are), as before after it."""
+    lib = library()
+    on = lib is not None and bool(lib.cs336_amx_enable(1))
+    try:
+        yield on
+    finally:
+        if lib is not None:
+            lib.cs336_amx_enable(int(amx_on))
 
 
 NATIVE_SOURCE = Path(__file__).with_name("native.cpp")
