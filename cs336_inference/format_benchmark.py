@@ -181,6 +181,9 @@ def format_benchmark(
     }
     bandwidth = read_bandwidth(max(weight_bytes(model), 64 * 2**20), repeats=7)
     log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    fma = kernels.ops.fma_per_second()  # the arithmetic roof of the extra rows of a T-token forward
+    if fma is not None:
+        log(f"fp32 multiply-adds {fma / 1e9:.0f} G/s (the kernels' vector fma, from registers)")
     contenders: dict[str, Callable[[], float]] = {
         f"ours {fmt}": (lambda m=m: decode_seconds(m, prompt, new_tokens)) for fmt, m in models.items()
     }
@@ -243,15 +246,23 @@ def format_benchmark(
         row["vs_ours_fp32"] = row["tokens_per_s"] / fp32 if fp32 else None
 
     log("T-token forwards")
-    t_cost = {}
+    t_cost, floor, floor_native = {}, {}, {}
+
+    def floor_of(base: float) -> dict[int, float] | None:
+        """A bound on the T-token cost from arithmetic alone: T rows are T x params multiply-adds,
+        at best at the fma peak (memory reads and weight decoding could all overlap them)."""
+        return None if fma is None else {T: max(1.0, T * params / fma / base) for T in T_SIZES}
+
     for fmt, m in models.items():
         base = forward_seconds(m, prompt, 1, 2 * rounds + 3)
         t_cost[fmt] = {T: forward_seconds(m, prompt, T, 2 * rounds + 3) / base for T in T_SIZES}
+        floor[fmt] = floor_of(base)
         log(f"  {fmt}: " + ", ".join(f"T={T} {v:.2f}x" for T, v in t_cost[fmt].items()))
     t_native = {}
     for fmt, m in models.items() if native else ():
         base = forward_seconds(m, prompt, 1, 2 * rounds + 3, "native")
         t_native[fmt] = {T: forward_seconds(m, prompt, T, 2 * rounds + 3, "native") / base for T in T_SIZES}
+        floor_native[fmt] = floor_of(base)
         log(f"  {fmt} native steps: " + ", ".join(f"T={T} {v:.2f}x" for T, v in t_native[fmt].items()))
     t_amx = {}
     for fmt, m in amx_models.items():
@@ -268,6 +279,7 @@ def format_benchmark(
             "kernels": kernels.library() is not None,
             "amx": kernels.build.amx_on,  # int4 and int8 products on AMX tiles (CS336_KERNELS_AMX=1)
             "read_bandwidth_bytes_per_s": bandwidth,
+            "fma_per_s": fma,  # fp32 multiply-adds per second from registers (None: no kernels)
             "load_average": os.getloadavg(),
             "python": sys.version.split()[0],
         },
@@ -287,6 +299,9 @@ def format_benchmark(
         "t_token_cost": t_cost,
         "t_token_cost_native": t_native,
         "t_token_cost_native_amx": t_amx,
+        # the least T-token cost arithmetic allows: max(1, T x params / fma_per_s / (T = 1 seconds))
+        "t_token_floor": floor if fma is not None else {},
+        "t_token_floor_native": floor_native if fma is not None else {},
         "llama_cpp": llama_note or "ran",
     }
 
@@ -327,6 +342,19 @@ def format_table(r: dict) -> str:
         lines.append(f"{fmt + ' n':<12}" + "".join(f"{cost[T]:>7.2f}x" for T in T_SIZES))
     for fmt, cost in r.get("t_token_cost_native_amx", {}).items():  # the same on AMX tiles
         lines.append(f"{fmt + ' n amx':<12}" + "".join(f"{cost[T]:>7.2f}x" for T in T_SIZES))
+    floors = r.get("t_token_floor_native") or r.get("t_token_floor") or {}
+    if floors:  # the arithmetic bound: each extra row is one multiply-add per weight
+        native = bool(r.get("t_token_floor_native"))
+        lines += [
+            "",
+            f"least cost from arithmetic alone, T x {r['parameters'] / 1e6:.1f} M multiply-adds at the "
+            f"fp32 peak ({r['env']['fma_per_s'] / 1e9:.0f} G/s measured) over the T = 1 time, "
+            f"{'native steps' if native else 'eager forwards'}:",
+        ]
+        for fmt, cost in floors.items():
+            lines.append(
+                f"{fmt + (' n' if native else ''):<12}" + "".join(f"{cost[T]:>7.2f}x" for T in T_SIZES)
+            )
     if r["llama_cpp"] != "ran":
         lines += ["", r["llama_cpp"]]
     return "\n".join(lines)

@@ -101,6 +101,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
     lib.cs336_has_avx2.restype = ctypes.c_int
+    lib.cs336_fma_rate.argtypes, lib.cs336_fma_rate.restype = [i32, i64], ctypes.c_double
     f32 = ctypes.c_float
     lib.cs336_layers.argtypes = [p, p, i64, f32, f32, p, p, p, p, p]
     lib.cs336_layers.restype = ctypes.c_int

@@ -35,6 +35,7 @@
    x86-64 CPU; the few intrinsics (conversions, fma, the lookup) have plain C versions.
 */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -99,6 +100,14 @@ static inline vf vload(const float *p) {
     return v;
 }
 static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+/* v, held in a register: an x vector is loaded once and used for every weight row of a tile (GCC
+   otherwise folds the load into each multiply-add, one load per multiply-add) */
+static inline vf xreg(vf v) {
+#ifdef CS336_AVX2
+    __asm__("" : "+v"(v));
+#endif
+    return v;
+}
 static inline vf vsplat(float a) {
 #if VL == 16
     return (vf)_mm512_set1_ps(a);
@@ -336,7 +345,7 @@ static inline __attribute__((always_inline)) void tile(const Weight *W, int fmt,
             for (int j = 0; j < J; j++) __builtin_prefetch(row[j] + i * (fmt == FMT_F32 ? 4 : 1) + ahead);
             for (int j = 0; j < J; j++) w[j] = chunk(fmt, row[j], i);
             for (int r = 0; r < R; r++) {
-                vf xv = vload(x + r * ldx + i);
+                vf xv = xreg(vload(x + r * ldx + i));
                 for (int j = 0; j < J; j++) a[r][j] = vfma(w[j], xv, a[r][j]);
             }
         }
@@ -351,7 +360,7 @@ static inline __attribute__((always_inline)) void tile(const Weight *W, int fmt,
                 for (int j = 0; j < J; j++) int4_lookup(row[j], i, lut[j], w[j]);
                 for (int c = 0; c < 2; c++)
                     for (int r = 0; r < R; r++) {
-                        vf xv = vload(x + r * ldx + i + c * VL);
+                        vf xv = xreg(vload(x + r * ldx + i + c * VL));
                         for (int j = 0; j < J; j++) a[r][j] = vfma(w[j][c], xv, a[r][j]);
                     }
             }
@@ -364,7 +373,7 @@ static inline __attribute__((always_inline)) void tile(const Weight *W, int fmt,
             for (int j = 0; j < J; j++) block(W, fmt, row[j], oj[j], i, w[j]);
             for (int c = 0; c < 32 / VL; c++)
                 for (int r = 0; r < R; r++) {
-                    vf xv = vload(x + r * ldx + i + c * VL);
+                    vf xv = xreg(vload(x + r * ldx + i + c * VL));
                     for (int j = 0; j < J; j++) a[r][j] = vfma(w[j][c], xv, a[r][j]);
                 }
         }
@@ -438,15 +447,21 @@ static float *deinterleave_x(const float *x, i64 M, i64 I, i64 ldx) {
    tile once into an L1 buffer and reloading it per group). With AVX-512 (32 registers), 5 or 6 rows
    keep TW = 4 with RG = 6 and more rows take TW = 3, RG = 8 (24 accumulators either way): all SmolLM2
    products took 0.90-0.94x the time of TW = 2 at 5 to 7 rows in fp32 and int4, 0.91x (fp32) at 8
-   and 0.95x at 9 and 16 (Intel Xeon, interleaved A/B runs). int4 with groups that are not whole
+   and 0.95x at 9 and 16 (Intel Xeon, interleaved A/B runs). The rows are spread evenly over the
+   groups (17 rows as 6 + 6 + 5: a group of one row runs at a fraction of the fma rate; 0.91-0.96x the
+   time at 17 rows and 0.82-0.90x at 12, fp32, AMD EPYC). int4 with groups that are not whole
    vectors is dequantized once into an L1 buffer instead, which then serves as an fp32 tile. */
 static void rowmajor_mm(const Weight *W, const float *x, i64 M, i64 I, i64 ldx, i64 O, const float *bias,
                         float *y, int threads) {
 #if VL == 16 /* 32 vector registers: 4 weight rows against up to 6 x rows (24 accumulators) */
-    const int TW = M > 6 ? 3 : 4, RG = M > 6 ? 8 : M > 4 ? 6 : 4;
+    const int TW = M > 6 ? 3 : 4;
+    int RG = M > 6 ? 8 : M > 4 ? 6 : 4;
 #else
-    const int TW = M > 4 ? 2 : 4, RG = M > 4 ? 8 : 4;
+    const int TW = M > 4 ? 2 : 4;
+    int RG = M > 4 ? 8 : 4;
 #endif
+    const i64 groups = (M + RG - 1) / RG;
+    RG = (int)((M + groups - 1) / groups); /* the rows spread evenly: 17 = 6 + 6 + 5, not 8 + 8 + 1 */
     i64 tiles = (O + TW - 1) / TW;
     int fused = fused_ok(W, I);
     float *xp = int4_x_order(W, I) ? deinterleave_x(x, M, I, ldx) : NULL;
@@ -688,4 +703,29 @@ void cs336_w8a8(const float *x, i64 M, i64 I, i64 ldx, const int8_t *q, const fl
             }
     }
     free(qx);
+}
+
+/* ------------------------------------------------------------------ the arithmetic roof
+
+   Multiply-adds per second of this file's own vector fma on `threads` threads, from registers only
+   (16 independent accumulators per thread, `iters` rounds): what a product's extra rows cost at
+   best, since each row is one multiply-add per weight. The benchmark's T-token floor uses it. */
+double cs336_fma_rate(int threads, i64 iters) {
+    double best = 0;
+    for (int rep = 0; rep < 3; rep++) {
+        double t0 = omp_get_wtime();
+        float sink = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+        {
+            vf a[16], b = vsplat(0.999f), c = vsplat(1e-4f);
+            for (int k = 0; k < 16; k++) a[k] = vsplat(1e-3f * (float)(k + omp_get_thread_num()));
+            for (i64 n = 0; n < iters; n++)
+                for (int k = 0; k < 16; k++) a[k] = vfma(a[k], b, c);
+            for (int k = 1; k < 16; k++) a[0] += a[k];
+            for (int l = 0; l < VL; l++) sink += a[0][l];
+        }
+        double rate = (double)threads * (double)iters * 16 * VL / (omp_get_wtime() - t0);
+        if (rate > best && sink == sink) best = rate;
+    }
+    return best;
 }

@@ -77,6 +77,14 @@ def linear_fp32(
     return y
 
 
+def fma_per_second(threads: int | None = None) -> float | None:
+    """Multiply-adds per second of the kernels' own vector fma from registers (decode.c's
+    cs336_fma_rate), on torch's thread count unless given; None without the kernels. Every extra row
+    of a product costs one multiply-add per weight, so this is the best an extra row can do."""
+    lib = build.library()
+    return None if lib is None else lib.cs336_fma_rate(threads or torch.get_num_threads(), 1_000_000)
+
+
 # The ops a compiled step calls (kernels/graphs.py), registered with the low-level torch.library API:
 # torch.library.custom_op would add an autograd layer to every call (about 8 us of the ~30 us a call
 # costs, measured), and these run only under inference mode. Each has a fake (shape-only) version
