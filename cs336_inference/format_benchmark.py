@@ -84,12 +84,12 @@ def decode_seconds(model: TransformerLM, prompt: torch.Tensor, n: int, step_mode
     return (time.perf_counter() - t0) / n
 
 
-@torch.inference_mode()
-def forward_seconds(
-    model: TransformerLM, prompt: torch.Tensor, T: int, repeats: int, step_mode: str | None = None
-) -> float:
-    """Median seconds of one forward of T tokens against a cache holding the prompt (step_mode
-    "native": the fixed-shape step of T tokens, as speculative decoding's verify pass runs it)."""
+def _timed_forward(
+    model: TransformerLM, prompt: torch.Tensor, T: int, step_mode: str | None = None
+) -> Callable[[], float]:
+    """A function that times one forward of T tokens against a cache holding the prompt, then drops
+    those T tokens from the cache (step_mode "native": the fixed-shape step of T tokens, as
+    speculative decoding's verify pass runs it). Call this and the function under inference_mode."""
     cache = model.new_cache(1, len(prompt) + max(T_SIZES) + 1)
     model(prompt[None], cache=cache)
     ids = prompt[None, :T]
@@ -100,13 +100,42 @@ def forward_seconds(
         forward = lambda: step(ids)  # noqa: E731
     else:
         forward = lambda: model(ids, cache=cache)  # noqa: E731
-    times = []
-    for _ in range(repeats + 1):
+
+    def timed() -> float:
         t0 = time.perf_counter()
         forward()
-        times.append(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
         cache.truncate(len(prompt))
-    return statistics.median(times[1:])
+        return seconds
+
+    return timed
+
+
+@torch.inference_mode()
+def forward_seconds(
+    model: TransformerLM, prompt: torch.Tensor, T: int, repeats: int, step_mode: str | None = None
+) -> float:
+    """Median seconds of one forward of T tokens against a cache holding the prompt (after one
+    untimed forward)."""
+    timed = _timed_forward(model, prompt, T, step_mode)
+    return statistics.median([timed() for _ in range(repeats + 1)][1:])
+
+
+@torch.inference_mode()
+def t_token_seconds(
+    model: TransformerLM, prompt: torch.Tensor, repeats: int, step_mode: str | None = None
+) -> dict[int, float]:
+    """Median seconds of a T-token forward against the cache, for T in T_SIZES. The sizes take
+    turns, one forward each per round, so a machine that speeds up or slows down during the
+    measurement (these VMs do, by tens of percent) moves every T alike and their ratios hold."""
+    timed = {T: _timed_forward(model, prompt, T, step_mode) for T in T_SIZES}
+    times: dict[int, list[float]] = {T: [] for T in T_SIZES}
+    for r in range(repeats + 1):
+        for T, f in timed.items():
+            seconds = f()
+            if r:  # the first round warms up
+                times[T].append(seconds)
+    return {T: statistics.median(ts) for T, ts in times.items()}
 
 
 def hf_decode_seconds(hf, prompt: torch.Tensor, n: int) -> float:
@@ -253,23 +282,21 @@ def format_benchmark(
         at best at the fma peak (memory reads and weight decoding could all overlap them)."""
         return None if fma is None else {T: max(1.0, T * params / fma / base) for T in T_SIZES}
 
+    def costs(seconds: dict[int, float]) -> dict[int, float]:
+        return {T: seconds[T] / seconds[1] for T in T_SIZES}
+
     for fmt, m in models.items():
-        base = forward_seconds(m, prompt, 1, 2 * rounds + 3)
-        t_cost[fmt] = {T: forward_seconds(m, prompt, T, 2 * rounds + 3) / base for T in T_SIZES}
-        floor[fmt] = floor_of(base)
+        seconds = t_token_seconds(m, prompt, 2 * rounds + 3)
+        t_cost[fmt], floor[fmt] = costs(seconds), floor_of(seconds[1])
         log(f"  {fmt}: " + ", ".join(f"T={T} {v:.2f}x" for T, v in t_cost[fmt].items()))
     t_native = {}
     for fmt, m in models.items() if native else ():
-        base = forward_seconds(m, prompt, 1, 2 * rounds + 3, "native")
-        t_native[fmt] = {T: forward_seconds(m, prompt, T, 2 * rounds + 3, "native") / base for T in T_SIZES}
-        floor_native[fmt] = floor_of(base)
+        seconds = t_token_seconds(m, prompt, 2 * rounds + 3, "native")
+        t_native[fmt], floor_native[fmt] = costs(seconds), floor_of(seconds[1])
         log(f"  {fmt} native steps: " + ", ".join(f"T={T} {v:.2f}x" for T, v in t_native[fmt].items()))
     t_amx = {}
     for fmt, m in amx_models.items():
-        base = on_amx(forward_seconds, m, prompt, 1, 2 * rounds + 3, "native")
-        t_amx[fmt] = {
-            T: on_amx(forward_seconds, m, prompt, T, 2 * rounds + 3, "native") / base for T in T_SIZES
-        }
+        t_amx[fmt] = costs(on_amx(t_token_seconds, m, prompt, 2 * rounds + 3, "native"))
         log(f"  {fmt} native steps on AMX: " + ", ".join(f"T={T} {v:.2f}x" for T, v in t_amx[fmt].items()))
     return {
         "env": {

@@ -339,7 +339,21 @@ static inline __attribute__((always_inline)) void tile(const Weight *W, int fmt,
         for (int j = 0; j < 4; j++) a[r][j] = (vf){0};
     const i64 ahead = PREFETCH_ROWS * W->row_bytes; /* the tile after next: rows are read in order */
     i64 i = 0;
-    if (fmt == FMT_F32 || fmt == FMT_INT8) {
+    if (fmt == FMT_F32 && R <= 2) {
+        /* one or two x rows: the J weight rows one after another, each read front to back (the same
+           operations per pair as below). Four rows read side by side left each core at about two
+           thirds of its read bandwidth: 0.64-0.89x the time at one row, 0.72-0.94x at two (AMD EPYC;
+           slower from three rows, where the multiply-adds and not the reads set the pace) */
+        for (int j = 0; j < J; j++) {
+            vf acc[2] = {{0}, {0}};
+            for (i = 0; i + VL <= I; i += VL) {
+                __builtin_prefetch(row[j] + i * 4 + ahead);
+                vf w = vload((const float *)row[j] + i);
+                for (int r = 0; r < R; r++) acc[r] = vfma(w, vload(x + r * ldx + i), acc[r]);
+            }
+            for (int r = 0; r < R; r++) a[r][j] = acc[r];
+        }
+    } else if (fmt == FMT_F32 || fmt == FMT_INT8) {
         for (; i + VL <= I; i += VL) {
             vf w[4];
             for (int j = 0; j < J; j++) __builtin_prefetch(row[j] + i * (fmt == FMT_F32 ? 4 : 1) + ahead);
