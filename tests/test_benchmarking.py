@@ -156,4 +156,26 @@ def test_format_benchmark_adds_native_rows_and_their_t_token_costs(tmp_path):
     assert set(r["t_token_cost_native"]["int8"]) == set(fb.T_SIZES)
     table = fb.format_table(r)
     assert "ours int8 native" in table and "int8 n" in table
+    # the arithmetic bound: at least 1, growing with T, printed under the costs
+    assert r["env"]["fma_per_s"] > 1e9 and set(r["t_token_floor_native"]) == {"fp32", "int8"}
+    for floor in r["t_token_floor_native"].values():
+        costs = [floor[T] for T in fb.T_SIZES]
+        assert costs[0] >= 1.0 and costs == sorted(costs), floor
+    assert "least cost from arithmetic alone" in table
     fb.plot(r, tmp_path / "formats.png")
+
+
+def test_fma_rate_is_the_machines_arithmetic_roof():
+    """decode.c's register-only fma loop against torch's matmul, timed independently: no real
+    computation beats the roof, and a roof off by the vector width (16 lanes) is far from
+    any BLAS (MKL's fp32 matmul ran at 0.8x of it on an Intel Xeon, 0.4x on an AMD EPYC)."""
+    from cs336_inference.kernels import build, ops
+    from cs336_inference.timing import matmul_flops_per_second
+
+    if build.library() is None:
+        pytest.skip("the C kernels are not built here")
+    roof = ops.fma_per_second()
+    blas = matmul_flops_per_second(1024) / 2  # multiply-adds per second
+    assert 0.5 * blas <= roof <= 12 * blas, (
+        f"fma roof {roof / 1e9:.0f} G/s against matmul's {blas / 1e9:.0f} G/s"
+    )
