@@ -296,6 +296,38 @@ static inline __attribute__((always_inline)) void block(const Weight *W, int fmt
     }
 }
 
+#if VL == 8
+/* AVX2: weights [i + 8c, i + 8c + 8) of a 32-block, c = 0..3, decoded a quarter at a time (whole blocks
+   for 4 weight rows need 16 of the 16 registers). `block_head` reads a block's scale (d, and m for
+   Q4_1) and the number to take from each nibble (8 for Q4_0, the zero point for int4), which
+   `quarter` subtracts in bytes, so each value is the reference's: (q - 8) * d, (q - zero) * scale,
+   q * d for Q8_0, and d * q + m for Q4_1 (d * q is exact, so one fma rounds as the reference's two
+   steps do). For int4 the block's even weights are c = 0, 1 and its odd ones c = 2, 3, as its low
+   and high nibbles lie (x comes in that order, `int4_x_order`). */
+static inline __attribute__((always_inline)) const uint8_t *block_head(const Weight *W, int fmt, const uint8_t *row,
+                                                                       i64 o, i64 i, vf *d, vf *m, __m128i *sub) {
+    if (fmt == FMT_INT4) {
+        i64 g = o * W->groups + (i >> W->gshift);
+        *d = vsplat(half_to_float(W->scale16[g])), *sub = _mm_set1_epi8((char)W->zero[g]);
+        return row + i / 2;
+    }
+    const uint8_t *p = row + i / 32 * (fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_0 ? 18 : 20);
+    *d = vsplat(half_to_float(read_u16(p)));
+    if (fmt == FMT_Q4_1) *m = vsplat(half_to_float(read_u16(p + 2)));
+    *sub = _mm_set1_epi8(fmt == FMT_Q4_0 ? 8 : 0);
+    return p + (fmt == FMT_Q4_1 ? 4 : 2);
+}
+
+static inline __attribute__((always_inline)) vf quarter(int fmt, const uint8_t *p, vf d, vf m, __m128i sub, int c) {
+    if (fmt == FMT_Q8_0) return d * int8_to_vf((const int8_t *)p + c * 8);
+    __m128i b = _mm_loadl_epi64((const __m128i *)(p + (c & 1) * 8));
+    if (c >= 2) b = _mm_srli_epi16(b, 4);
+    b = _mm_and_si128(b, _mm_set1_epi8(0x0f));
+    if (fmt == FMT_Q4_1) return vfma(d, (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), m);
+    return d * (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_sub_epi8(b, sub)));
+}
+#endif
+
 /* the byte offset of weight i in a stored row of a block format (int4: two per byte) */
 static inline i64 block_bytes(const Weight *W, int fmt, i64 i) {
     return fmt == FMT_INT4 ? i / 2 : i / 32 * (fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_0 ? 18 : 20);
@@ -403,6 +435,26 @@ static inline __attribute__((always_inline)) void tile(const Weight *W, int fmt,
             }
         }
 #endif
+#if VL == 8
+    } else { /* AVX2 (16 registers): each quarter of a 32-block decoded for the J weight rows, then
+                multiplied into the R rows; decoding whole blocks first spilled them to the stack */
+        for (; i + 32 <= I; i += 32) {
+            prefetch_tile(row, J, one_stream, ahead, block_bytes(W, fmt, i), (int)block_bytes(W, fmt, 32));
+            const uint8_t *p[4];
+            vf d[4], m[4];
+            __m128i sub[4];
+            for (int j = 0; j < J; j++) p[j] = block_head(W, fmt, row[j], oj[j], i, &d[j], &m[j], &sub[j]);
+            for (int c = 0; c < 4; c++) {
+                vf w[4];
+                for (int j = 0; j < J; j++) w[j] = quarter(fmt, p[j], d[j], m[j], sub[j], c);
+                for (int r = 0; r < R; r++) {
+                    vf xv = xreg(vload(x + r * ldx + i + c * VL));
+                    for (int j = 0; j < J; j++) a[r][j] = vfma(w[j], xv, a[r][j]);
+                }
+            }
+        }
+    }
+#else
     } else { /* block formats: 32 weights at a time (I is a multiple of 32), the same order */
         for (; i + 32 <= I; i += 32) {
             vf w[4][32 / VL];
@@ -415,6 +467,7 @@ static inline __attribute__((always_inline)) void tile(const Weight *W, int fmt,
                 }
         }
     }
+#endif
     for (int r = 0; r < R; r++) {
         float t[4];
         vsum4(a[r][0], a[r][1], a[r][2], a[r][3], t); /* J = 2: lanes 2, 3 hold zeros, unused */
@@ -464,7 +517,7 @@ static void tile_any(const Weight *W, const i64 oj[4], const float *xm, i64 ldx,
 
 /* With AVX-512, int4 rows are decoded as (even weights, odd weights) of each 32-block (`int4_lookup`), so
    x is copied in that order once per call: x'[32b + k] = x[32b + 2k], x'[32b + 16 + k] = x[32b + 2k + 1] */
-static int int4_x_order(const Weight *W, i64 I) { return VL == 16 && W->fmt == FMT_INT4 && fused_ok(W, I); }
+static int int4_x_order(const Weight *W, i64 I) { return VL >= 8 && W->fmt == FMT_INT4 && fused_ok(W, I); }
 
 static float *deinterleave_x(const float *x, i64 M, i64 I, i64 ldx) {
     float *xp = (float *)malloc(sizeof(float) * (size_t)(M * I));
