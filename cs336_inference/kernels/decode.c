@@ -20,7 +20,9 @@
    With AVX-512 the 4-bit formats look their values up in a 16-entry table per block or group
    (vpermps), which costs two instructions per 16 weights instead of five; int4 takes the (low, high)
    nibbles of a 32-block as (even, odd) weights and multiplies them with a copy of x de-interleaved
-   once per call, and builds its table once per group. Every row tile prefetches the weight rows two
+   once per call, and builds its table once per group. With AVX2 (16 registers) the block formats are
+   decoded a quarter block (8 weights) at a time for the tile's weight rows (`quarter`), int4 with the
+   same de-interleaved x. Every row tile prefetches the weight rows two
    tiles ahead (the hardware prefetcher alone left a core at about half of its read bandwidth), short
    rows as one stream (`prefetch_tile`).
 
@@ -515,8 +517,8 @@ static void tile_any(const Weight *W, const i64 oj[4], const float *xm, i64 ldx,
     }
 }
 
-/* With AVX-512, int4 rows are decoded as (even weights, odd weights) of each 32-block (`int4_lookup`), so
-   x is copied in that order once per call: x'[32b + k] = x[32b + 2k], x'[32b + 16 + k] = x[32b + 2k + 1] */
+/* With AVX-512 and AVX2, int4 rows are decoded as (even weights, odd weights) of each 32-block
+   (`int4_lookup`, `quarter`), so x is copied in that order once per call: x'[32b + k] = x[32b + 2k], x'[32b + 16 + k] = x[32b + 2k + 1] */
 static int int4_x_order(const Weight *W, i64 I) { return VL >= 8 && W->fmt == FMT_INT4 && fused_ok(W, I); }
 
 static float *deinterleave_x(const float *x, i64 M, i64 I, i64 ldx) {
