@@ -306,18 +306,41 @@ static inline __attribute__((always_inline)) void block(const Weight *W, int fmt
    q * d for Q8_0, and d * q + m for Q4_1 (d * q is exact, so one fma rounds as the reference's two
    steps do). For int4 the block's even weights are c = 0, 1 and its odd ones c = 2, 3, as its low
    and high nibbles lie (x comes in that order, `int4_x_order`). */
+static inline vf half_splat(uint16_t h) { return (vf)_mm256_cvtph_ps(_mm_set1_epi16((short)h)); }
+
 static inline __attribute__((always_inline)) const uint8_t *block_head(const Weight *W, int fmt, const uint8_t *row,
                                                                        i64 o, i64 i, vf *d, vf *m, __m128i *sub) {
     if (fmt == FMT_INT4) {
         i64 g = o * W->groups + (i >> W->gshift);
-        *d = vsplat(half_to_float(W->scale16[g])), *sub = _mm_set1_epi8((char)W->zero[g]);
+        *d = half_splat(W->scale16[g]), *sub = _mm_set1_epi8((char)W->zero[g]);
         return row + i / 2;
     }
     const uint8_t *p = row + i / 32 * (fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_0 ? 18 : 20);
-    *d = vsplat(half_to_float(read_u16(p)));
-    if (fmt == FMT_Q4_1) *m = vsplat(half_to_float(read_u16(p + 2)));
+    *d = half_splat(read_u16(p));
+    if (fmt == FMT_Q4_1) *m = half_splat(read_u16(p + 2));
     *sub = _mm_set1_epi8(fmt == FMT_Q4_0 ? 8 : 0);
     return p + (fmt == FMT_Q4_1 ? 4 : 2);
+}
+
+/* the same four quarters for one row of x: the block's 16 bytes of nibbles read, masked and shifted once */
+static inline __attribute__((always_inline)) void whole_block(int fmt, const uint8_t *p, vf d, vf m, __m128i sub,
+                                                               vf w[4]) {
+    if (fmt == FMT_Q8_0) {
+        for (int c = 0; c < 4; c++) w[c] = d * int8_to_vf((const int8_t *)p + c * 8);
+        return;
+    }
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0f);
+    __m128i h[2] = {_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask)};
+    for (int k = 0; k < 2; k++) {
+        if (fmt == FMT_Q4_1) {
+            w[2 * k] = vfma(d, (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h[k])), m);
+            w[2 * k + 1] = vfma(d, (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(h[k], h[k]))), m);
+        } else {
+            __m128i q = _mm_sub_epi8(h[k], sub);
+            w[2 * k] = d * (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+            w[2 * k + 1] = d * (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q)));
+        }
+    }
 }
 
 static inline __attribute__((always_inline)) vf quarter(int fmt, const uint8_t *p, vf d, vf m, __m128i sub, int c) {
@@ -445,6 +468,16 @@ static inline __attribute__((always_inline)) void tile(const Weight *W, int fmt,
             const uint8_t *p[4];
             vf d[4], m[4];
             __m128i sub[4];
+            if (R == 1) { /* one row: the weight rows' whole blocks one after another against x's 4 quarters */
+                vf xv[4], w[4];
+                for (int c = 0; c < 4; c++) xv[c] = xreg(vload(x + i + c * VL));
+                for (int j = 0; j < J; j++) {
+                    p[j] = block_head(W, fmt, row[j], oj[j], i, &d[j], &m[j], &sub[j]);
+                    whole_block(fmt, p[j], d[j], m[j], sub[j], w);
+                    for (int c = 0; c < 4; c++) a[0][j] = vfma(w[c], xv[c], a[0][j]);
+                }
+                continue;
+            }
             for (int j = 0; j < J; j++) p[j] = block_head(W, fmt, row[j], oj[j], i, &d[j], &m[j], &sub[j]);
             for (int c = 0; c < 4; c++) {
                 vf w[4];
