@@ -10,6 +10,12 @@ the roofline fraction (cs336_inference/cuda_bench.py).
 
     python scripts/benchmark.py gpu --out runs/gpu.json
 
+`kernels`: the kernels at another git revision against the working tree, every product of a SmolLM2
+decode step timed through both builds in turns, per format and number of rows, with whether the
+bits agree (cs336_inference/kernels/compare_builds.py; for kernel changes).
+
+    python scripts/benchmark.py kernels --base HEAD~1 --formats int4,q4_0 --rows 1,5,17 --out runs/ab.json
+
 `serve`: static vs continuous batching on a generated workload (throughput, TTFT, TPOT, KV waste).
 
     python scripts/benchmark.py serve --rates 1,4 --requests 32 --out serve.json --plot serve.png
@@ -362,6 +368,22 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_kernels(args: argparse.Namespace) -> dict:
+    from cs336_inference.kernels import build, compare_builds
+
+    if build.library() is None:
+        raise BenchmarkError("the kernels could not be built here (or CS336_KERNELS=0): nothing to compare")
+    if args.rounds < 1:
+        raise BenchmarkError(f"--rounds must be >= 1, got {args.rounds}")
+    try:
+        rows = [int(m) for m in args.rows.split(",")]
+    except ValueError:
+        raise BenchmarkError(f"--rows takes numbers separated by commas, got {args.rows!r}") from None
+    result = compare_builds.compare(args.base, args.formats.split(","), rows, args.rounds, log=log)
+    result["table"] = compare_builds.format_compare(result)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -404,6 +426,14 @@ def main(argv: list[str] | None = None) -> int:
         help="with --native: also time int8 and int4 with their products on Intel AMX tiles "
         "(kernels/amx.c; CS336_KERNELS_AMX=1 turns that on for everything)",
     )
+    ker = sub.add_parser(
+        "kernels", help="the kernels at another git revision against the working tree, in turns"
+    )
+    ker.add_argument("--base", default="HEAD", help="git revision whose kernel sources are the baseline")
+    ker.add_argument("--formats", default=",".join(("fp32", "int8", "int4", "q8_0", "q4_0", "q4_1")))
+    ker.add_argument("--rows", default="1,2,5,9,17", help="rows of x per product (1..32)")
+    ker.add_argument("--rounds", type=int, default=9, help="alternating timed rounds (median)")
+    ker.add_argument("--out", type=Path, help="write the results as JSON here")
     spec = sub.add_parser("speculative", help="speculative decoding: alpha, tokens/pass, speedup vs k")
     spec.add_argument("--model", help="target checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     spec.add_argument(
@@ -471,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_speculative(args)
         elif args.command == "gpu":
             result = run_gpu(args)
+        elif args.command == "kernels":
+            result = run_kernels(args)
         else:
             if args.runs < 1 or args.new_tokens < 2:
                 raise BenchmarkError(
@@ -481,7 +513,11 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchmarkError, ValueError, OSError, RuntimeError) as e:
         print(f"benchmark.py: error: {e}", file=sys.stderr)
         return 2
-    print(result["table"] if args.command in ("quant", "speculative", "gpu") else format_report(result))
+    print(
+        result["table"]
+        if args.command in ("quant", "speculative", "gpu", "kernels")
+        else format_report(result)
+    )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

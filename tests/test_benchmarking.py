@@ -179,3 +179,55 @@ def test_fma_rate_is_the_machines_arithmetic_roof():
     assert 0.5 * blas <= roof <= 12 * blas, (
         f"fma roof {roof / 1e9:.0f} G/s against matmul's {blas / 1e9:.0f} G/s"
     )
+
+
+def _kernel_sources_match_head() -> bool:
+    """Whether the kernel sources in the working tree are HEAD's (false outside a git checkout)."""
+    import subprocess
+
+    from cs336_inference.kernels import build
+
+    names = [str(p.relative_to(ROOT)) for p in build.SOURCES]
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--", *names], capture_output=True
+        )
+    except OSError:
+        return False
+    return done.returncode == 0
+
+
+def test_comparing_kernel_builds_times_both_and_says_whether_their_bits_agree():
+    from cs336_inference.kernels import build, compare_builds
+
+    if build.library() is None or not _kernel_sources_match_head():
+        pytest.skip("needs the kernels built and their sources unchanged from HEAD")
+    shapes = [(8, 64), (5, 128), (3, 192)]
+    r = compare_builds.compare("HEAD", ("fp32", "int4", "q4_0"), (1, 3), 2, shapes, log=lambda _: None)
+    assert [(x["format"], x["rows"]) for x in r["results"]] == [
+        (f, m) for f in ("fp32", "int4", "q4_0") for m in (1, 3)
+    ]
+    for x in r["results"]:
+        assert x["base_ms"] > 0 and x["tree_ms"] > 0, x
+        # the same sources built twice: the same bits, or the comparison is not of like with like
+        assert x["same"], f"{x['format']} at {x['rows']} rows: HEAD's build and the tree's disagree"
+    assert "tree/base" in compare_builds.format_compare(r)
+
+
+def run_script(argv: list[str]) -> int:
+    spec = importlib.util.spec_from_file_location("benchmark_script", ROOT / "scripts" / "benchmark.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.main(argv)
+
+
+def test_comparing_kernel_builds_refuses_a_bad_revision_in_one_line(capsys):
+    from cs336_inference.kernels import build
+
+    if build.library() is None:
+        pytest.skip("the kernels could not be built here")
+    assert run_script(["kernels", "--base", "no-such-revision", "--rounds", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no-such-revision" in err[0], err
+    assert run_script(["kernels", "--rows", "1,40"]) == 2
+    assert "rows must be between 1 and 32" in capsys.readouterr().err

@@ -74,12 +74,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("CS336_KERNELS_CACHE", default))
 
 
-def _compile(cc: str, flags: list[str], out: Path) -> None:
+def _compile(cc: str, flags: list[str], out: Path, sources: tuple[Path, ...] = SOURCES) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         target = Path(tmp) / out.name
         subprocess.run(
-            [cc, *flags, *map(str, SOURCES), "-o", str(target), "-lm"],
+            [cc, *flags, *map(str, sources), "-o", str(target), "-lm"],
             check=True,
             capture_output=True,
             timeout=120,
@@ -106,6 +106,22 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs336_layers.argtypes = [p, p, i64, f32, f32, p, p, p, p, p]
     lib.cs336_layers.restype = ctypes.c_int
     lib.cs336_amx_enable.argtypes, lib.cs336_amx_enable.restype = [i32], ctypes.c_int
+
+
+def build_from(sources: list[Path], out: Path) -> ctypes.CDLL:
+    """A library from other copies of SOURCES (another revision's, for kernels/compare_builds.py),
+    compiled as `build` compiles, not cached; one line if that fails."""
+    cc = os.environ.get("CS336_KERNELS_CC") or os.environ.get("CC") or "gcc"
+    try:
+        _compile(cc, compile_flags(), out, tuple(sources))
+        lib = ctypes.CDLL(str(out))
+        _declare(lib)
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        stderr = (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()[:1]
+        raise RuntimeError(
+            f"building {', '.join(p.name for p in sources)}: {e}{': ' + stderr[0] if stderr else ''}"
+        ) from None
+    return lib
 
 
 def build(cc: str | None = None) -> ctypes.CDLL:
