@@ -551,7 +551,8 @@ static void tile_any(const Weight *W, const i64 oj[4], const float *xm, i64 ldx,
 }
 
 /* With AVX-512 and AVX2, int4 rows are decoded as (even weights, odd weights) of each 32-block
-   (`int4_lookup`, `quarter`), so x is copied in that order once per call: x'[32b + k] = x[32b + 2k], x'[32b + 16 + k] = x[32b + 2k + 1] */
+   (`int4_lookup`, `quarter`), so x is copied in that order once per call:
+   x'[32b + k] = x[32b + 2k], x'[32b + 16 + k] = x[32b + 2k + 1] */
 static int int4_x_order(const Weight *W, i64 I) { return VL >= 8 && W->fmt == FMT_INT4 && fused_ok(W, I); }
 
 static float *deinterleave_x(const float *x, i64 M, i64 I, i64 ldx) {
