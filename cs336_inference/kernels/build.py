@@ -108,25 +108,31 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs336_amx_enable.argtypes, lib.cs336_amx_enable.restype = [i32], ctypes.c_int
 
 
+def _compiler(cc: str | None = None) -> str:
+    return cc or os.environ.get("CS336_KERNELS_CC") or os.environ.get("CC") or "gcc"
+
+
+def _one_line(error: Exception | None) -> str:
+    """The error and the first line of the compiler's stderr, if it said anything."""
+    detail = (getattr(error, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()[:1]
+    return f"{error}{': ' + detail[0] if detail else ''}"
+
+
 def build_from(sources: list[Path], out: Path) -> ctypes.CDLL:
     """A library from other copies of SOURCES (another revision's, for kernels/compare_builds.py),
     compiled as `build` compiles, not cached; one line if that fails."""
-    cc = os.environ.get("CS336_KERNELS_CC") or os.environ.get("CC") or "gcc"
     try:
-        _compile(cc, compile_flags(), out, tuple(sources))
+        _compile(_compiler(), compile_flags(), out, tuple(sources))
         lib = ctypes.CDLL(str(out))
         _declare(lib)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        stderr = (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()[:1]
-        raise RuntimeError(
-            f"building {', '.join(p.name for p in sources)}: {e}{': ' + stderr[0] if stderr else ''}"
-        ) from None
+        raise RuntimeError(f"building {', '.join(p.name for p in sources)}: {_one_line(e)}") from None
     return lib
 
 
 def build(cc: str | None = None) -> ctypes.CDLL:
     """Compile (or find in the cache) and load the library; raises on any failure."""
-    cc = cc or os.environ.get("CS336_KERNELS_CC") or os.environ.get("CC") or "gcc"
+    cc = _compiler(cc)
     if shutil.which(cc) is None:
         raise FileNotFoundError(f"no C compiler {cc!r} on PATH")
     source = b"\0".join(path.read_bytes() for path in SOURCES)
@@ -145,9 +151,7 @@ def build(cc: str | None = None) -> ctypes.CDLL:
             return lib
         except (OSError, subprocess.SubprocessError, AttributeError) as e:
             last_error = e
-    stderr = getattr(last_error, "stderr", b"") or b""
-    detail = stderr.decode(errors="replace").strip().splitlines()[:1]
-    raise RuntimeError(f"{last_error}{': ' + detail[0] if detail else ''}")
+    raise RuntimeError(_one_line(last_error))
 
 
 def library() -> ctypes.CDLL | None:
