@@ -96,6 +96,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cs336_int4": [p, i64, i64, i64, p, p, p, i64, i64, p, p, i32],
         "cs336_ggml": [i32, p, i64, i64, i64, p, i64, p, p, i32],
         "cs336_w8a8": [p, i64, i64, i64, p, p, i64, p, p, i32],
+        "cs336_a8": [i32, p, i64, i64, i64, p, p, p, i64, i64, p, p, i32],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)

@@ -831,6 +831,154 @@ void cs336_w8a8(const float *x, i64 M, i64 I, i64 ldx, const int8_t *q, const fl
     free(qx);
 }
 
+/* ------------------------------------------------------------------ 4- and 8-bit blocks x Q8_0 activations
+
+   The "_a8" methods (quantization/a8.py, llama.cpp's arithmetic for Q4_0 and Q8_0): each x row is
+   quantized in blocks of 32 like a Q8_0 weight (d_x = amax / 127, qx = round(x / d_x) half away from 0,
+   computed as x * (1 / d_x)), and a block's product is exact in integers:
+
+       y[m, o] = sum over blocks b of (d_w[o, b] d_x[m, b]) * (sum_k qw[o, b, k] qx[m, b, k])
+
+   qw: q - 8 (Q4_0), q (Q8_0), q - zero with the group's scale as d_w (int4, whose x is quantized in
+   the de-interleaved order of `int4_x_order`, a permutation inside each 32-block). With AVX2 a
+   block of one weight row against one x row is: the weight bytes' signs moved onto x (vpsignb:
+   vpmaddubsw wants one operand unsigned), 16 byte pairs multiplied and added into 16-bit numbers
+   (at most 2 * 127 * 127, exact), 8 of those pairs into 32-bit lanes, converted, and one
+   multiply-add by d_w d_x: 7 instructions per 32 weights where the float kernels above spend 12 to
+   16. A pair's operations do not depend on the rows beside it. */
+
+/* block b of weight row o: its scale (d_w), the number its nibbles hold in excess (8, the zero point,
+   0 for Q8_0) and where its 16 or 32 bytes of integers start */
+static inline __attribute__((always_inline)) const uint8_t *a8_head(const Weight *W, int fmt, i64 o, i64 b,
+                                                                    float *d, int *sub) {
+    const uint8_t *row = (const uint8_t *)W->w + o * W->row_bytes;
+    if (fmt == FMT_INT4) {
+        i64 g = o * W->groups + b / (W->row_bytes / 16 / W->groups); /* 16 bytes a block */
+        *d = half_to_float(W->scale16[g]), *sub = W->zero[g];
+        return row + b * 16;
+    }
+    const uint8_t *p = row + b * (fmt == FMT_Q8_0 ? 34 : 18);
+    *d = half_to_float(read_u16(p)), *sub = fmt == FMT_Q4_0 ? 8 : 0;
+    return p + 2;
+}
+
+/* x's M rows as Q8_0 blocks: qx [M, I] (int4: each block de-interleaved), dx [M, I / 32] */
+static void a8_quantize_x(const float *x, i64 M, i64 I, i64 ldx, int deinterleave, int8_t *qx, float *dx) {
+    for (i64 m = 0; m < M; m++)
+        for (i64 b = 0; b < I / 32; b++) {
+            const float *xb = x + m * ldx + 32 * b;
+            float amax = 0.f, v[32];
+            for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(xb[k]));
+            float d = amax / 127.f, inv = d == 0.f ? 0.f : 1.f / d;
+            for (int k = 0; k < 32; k++) v[k] = roundf(xb[k] * inv); /* half away from zero, as ggml */
+            int8_t *q = qx + m * I + 32 * b;
+            for (int k = 0; k < 32; k++) q[k] = (int8_t)(deinterleave ? v[k < 16 ? 2 * k : 2 * (k - 16) + 1] : v[k]);
+            dx[m * (I / 32) + b] = d;
+        }
+}
+
+#ifdef CS336_AVX2
+/* the block's 32 integers as signed bytes, in its weights' order (Q4_0: low nibbles then high) */
+static inline __m256i a8_weights(int fmt, const uint8_t *p, int sub) {
+    if (fmt == FMT_Q8_0) return _mm256_loadu_si256((const __m256i *)p);
+    const __m128i n = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0f), s = _mm_set1_epi8((char)sub);
+    return _mm256_set_m128i(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(n, 4), mask), s),
+                            _mm_sub_epi8(_mm_and_si128(n, mask), s));
+}
+#endif
+
+/* s[r][j] = y[r, oj[j]] without bias, for R <= 2 rows of x (qx, dx point at the first) */
+static inline __attribute__((always_inline)) void a8_tile(const Weight *W, int fmt, const i64 oj[4],
+                                                           const int8_t *qx, const float *dx, i64 I, int R,
+                                                           float s[][4]) {
+    const i64 nb = I / 32, ahead = PREFETCH_ROWS * W->row_bytes;
+#ifdef CS336_AVX2
+    const int one_stream = fmt != FMT_INT4 && W->row_bytes <= ONE_STREAM;
+    const i64 bb = fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_0 ? 18 : 16, per_scale = fmt == FMT_INT4 ? nb / W->groups : 1; /* blocks per scale */
+    const __m256i ones = _mm256_set1_epi16(1);
+    const uint8_t *row[4];
+    for (int j = 0; j < 4; j++) row[j] = (const uint8_t *)W->w + oj[j] * W->row_bytes;
+    __m256 a[2][4];
+    for (int r = 0; r < 2; r++)
+        for (int j = 0; j < 4; j++) a[r][j] = _mm256_setzero_ps();
+    for (i64 b0 = 0; b0 < nb; b0 += per_scale) {
+        __m256 dw[4];
+        int sub[4];
+        for (int j = 0; j < 4; j++) {
+            float d;
+            a8_head(W, fmt, oj[j], b0, &d, &sub[j]);
+            dw[j] = _mm256_set1_ps(d);
+        }
+        for (i64 b = b0; b < b0 + per_scale; b++) {
+            prefetch_tile(row, 4, one_stream, ahead, b * bb, (int)bb);
+            __m256i w[4];
+            for (int j = 0; j < 4; j++) w[j] = a8_weights(fmt, row[j] + b * bb + (fmt == FMT_INT4 ? 0 : 2), sub[j]);
+            for (int r = 0; r < R; r++) {
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(qx + r * I + 32 * b)), ax = _mm256_abs_epi8(xq);
+                const __m256 dxv = _mm256_set1_ps(dx[r * nb + b]);
+                for (int j = 0; j < 4; j++) {
+                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[j], xq)), ones);
+                    a[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw[j], dxv), a[r][j]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) vsum4((vf)a[r][0], (vf)a[r][1], (vf)a[r][2], (vf)a[r][3], s[r]);
+#else
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) {
+            float acc = 0.f;
+            for (i64 b = 0; b < nb; b++) {
+                float d;
+                int sub;
+                const uint8_t *p = a8_head(W, fmt, oj[j], b, &d, &sub);
+                const int8_t *xq = qx + r * I + 32 * b;
+                int32_t t = 0;
+                for (int k = 0; k < 32; k++) {
+                    int q = fmt == FMT_Q8_0 ? (int)(int8_t)p[k] : (k < 16 ? p[k] & 0x0f : p[k - 16] >> 4) - sub;
+                    t += q * xq[k];
+                }
+                acc = fmaf((float)t, d * dx[r * nb + b], acc);
+            }
+            s[r][j] = acc;
+        }
+    (void)ahead;
+#endif
+}
+
+/* fmt: FMT_INT4 (scale fp16 [O, G], zero [O, G], I / G a multiple of 32), FMT_Q8_0 or FMT_Q4_0 (raw blocks) */
+void cs336_a8(int fmt, const float *x, i64 M, i64 I, i64 ldx, const uint8_t *w, const uint16_t *scale,
+              const uint8_t *zero, i64 G, i64 O, const float *bias, float *y, int threads) {
+    Weight W = {fmt, w, fmt == FMT_INT4 ? I / 2 : I / 32 * (fmt == FMT_Q8_0 ? 34 : 18), NULL, scale, zero, G, -1};
+    int8_t *qx = (int8_t *)malloc((size_t)(M * I));
+    float *dx = (float *)malloc(sizeof(float) * (size_t)(M * (I / 32)));
+    a8_quantize_x(x, M, I, ldx, fmt == FMT_INT4, qx, dx);
+    i64 tiles = (O + 3) / 4;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (i64 t = 0; t < tiles; t++) {
+        i64 o = 4 * t, oj[4];
+        int J = O - o < 4 ? (int)(O - o) : 4;
+        for (int j = 0; j < 4; j++) oj[j] = o + (j < J ? j : 0); /* a short last tile repeats a row */
+        float s[2][4];
+        for (i64 m = 0; m < M; m += 2) {
+            const int8_t *q = qx + m * I;
+            const float *d = dx + m * (I / 32);
+#define A8_TILE(F) (M - m >= 2 ? a8_tile(&W, F, oj, q, d, I, 2, s) : a8_tile(&W, F, oj, q, d, I, 1, s))
+            if (fmt == FMT_INT4)
+                A8_TILE(FMT_INT4);
+            else if (fmt == FMT_Q8_0)
+                A8_TILE(FMT_Q8_0);
+            else
+                A8_TILE(FMT_Q4_0);
+#undef A8_TILE
+            for (int r = 0; r < 2 && m + r < M; r++)
+                for (int j = 0; j < J; j++) y[(m + r) * O + o + j] = bias ? s[r][j] + bias[o + j] : s[r][j];
+        }
+    }
+    free(qx);
+    free(dx);
+}
+
 /* ------------------------------------------------------------------ the arithmetic roof
 
    Multiply-adds per second of this file's own vector fma on `threads` threads, from registers only

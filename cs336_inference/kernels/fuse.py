@@ -63,7 +63,7 @@ class Siblings:
                 names = first.stored_names
                 stored = {name: torch.cat([getattr(layer, name) for layer in self.layers]) for name in names}
                 self.stacked = QuantizedLinear(
-                    first.fmt, first.d_in, ends[-1], stored, first.group_size, bias
+                    first.fmt, first.d_in, ends[-1], stored, first.group_size, bias, first.activations
                 )
                 views = {name: getattr(self.stacked, name) for name in names}
             else:
@@ -124,7 +124,8 @@ def _same_kind(layers: list[nn.Module]) -> bool:
     if isinstance(first, QuantizedLinear):
         same = all(
             type(layer) is QuantizedLinear
-            and (layer.fmt, layer.d_in, layer.group_size) == (first.fmt, first.d_in, first.group_size)
+            and (layer.fmt, layer.d_in, layer.group_size, layer.activations)
+            == (first.fmt, first.d_in, first.group_size, first.activations)
             for layer in layers
         )
     else:

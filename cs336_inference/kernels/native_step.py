@@ -33,7 +33,7 @@ from ..layers import Linear, RMSNorm, SwiGLU
 from ..quantization.linear import QuantizedLinear
 from . import build
 from .layout import settle
-from .ops import FORMAT_CODES
+from .ops import A8_CODE, FORMAT_CODES
 
 F32_ROWS, F32_COLS = 0, 6  # step.c's format codes for fp32; the quantized ones are ops.FORMAT_CODES
 
@@ -100,8 +100,9 @@ def _product(layer) -> list[int]:
     if isinstance(layer, QuantizedLinear):
         scale, zero = getattr(layer, "scale", None), getattr(layer, "zero", None)
         groups = scale.shape[1] if layer.fmt == "int4" else 0
+        code = FORMAT_CODES[layer.fmt] + (A8_CODE if layer.activations is not None else 0)
         return [
-            FORMAT_CODES[layer.fmt], layer.d_out, groups, layer.qweight.data_ptr(),
+            code, layer.d_out, groups, layer.qweight.data_ptr(),
             0 if scale is None else scale.data_ptr(), 0 if zero is None else zero.data_ptr(), bias,
         ]  # fmt: skip
     w = layer.weight

@@ -111,7 +111,8 @@ def quantized_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"]
     """The KERNELS entry of quantization.linear: y = x dequantize(stored)^T + b from the stored bytes."""
     q = layer.qweight
     if q.device.type != "cpu":  # the GPU path (kernels/cuda.py) needs no build
-        return quantized_cuda(layer, x) if q.device.type == "cuda" and build.enabled() else None
+        cuda = q.device.type == "cuda" and build.enabled() and layer.activations is None
+        return quantized_cuda(layer, x) if cuda else None
     lib = build.library()
     if lib is None:
         return None
@@ -122,12 +123,16 @@ def quantized_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"]
         return None
     if fmt == "int4" and layer.scale.dtype != torch.float16:
         return None
+    if layer.activations is not None and compiling:  # no compiled op for these: the reference is traced
+        return None
     siblings = getattr(layer, "siblings", None)  # q/k/v or gate/up as one product (kernels/fuse.py)
     if siblings is not None:
         return siblings.output(layer, x)
     scale, zero = getattr(layer, "scale", None), getattr(layer, "zero", None)
     if compiling:
         return _compiled_ops().quantized(x, layer.qweight, scale, zero, bias, FORMAT_CODES[fmt], layer.d_out)
+    if layer.activations is not None:
+        fmt = fmt + "_a8"
     return _quantized_call(lib, rows, x, layer.qweight, scale, zero, bias, fmt, layer.d_out)
 
 
@@ -145,7 +150,13 @@ def _quantized_rows(
     lib, x_ptr, M, d_in, ldx, q, scale, zero, bias, fmt: str, d_out: int, y_ptr, threads
 ) -> None:
     """One C call on M <= MAX_ROWS rows: x and y as data pointers, bias a data pointer or None."""
-    if fmt == "int8":
+    if fmt.endswith("_a8"):  # x in Q8_0 blocks (quantization/a8.py)
+        groups = scale.shape[1] if fmt == "int4_a8" else 0
+        lib.cs336_a8(
+            FORMAT_CODES[fmt[:-3]], x_ptr, M, d_in, ldx, q.data_ptr(), scale.data_ptr() if groups else None,
+            zero.data_ptr() if groups else None, groups, d_out, bias, y_ptr, threads,
+        )  # fmt: skip
+    elif fmt == "int8":
         lib.cs336_int8(
             x_ptr,
             M,
@@ -168,6 +179,7 @@ def _quantized_rows(
 
 
 FORMAT_CODES = {"int8": 1, "int4": 2, **GGML}
+A8_CODE = 16  # step.c: A8 + format code, the product with x in Q8_0 blocks
 _FORMAT_NAMES = {code: name for name, code in FORMAT_CODES.items()}
 
 

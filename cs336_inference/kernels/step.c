@@ -38,10 +38,13 @@ void cs336_int4(const float *x, i64 M, i64 I, i64 ldx, const uint8_t *packed, co
                 const uint8_t *zero, i64 G, i64 O, const float *bias, float *y, int threads);
 void cs336_ggml(int fmt, const float *x, i64 M, i64 I, i64 ldx, const uint8_t *raw, i64 O, const float *bias,
                 float *y, int threads);
+void cs336_a8(int fmt, const float *x, i64 M, i64 I, i64 ldx, const uint8_t *w, const uint16_t *scale,
+              const uint8_t *zero, i64 G, i64 O, const float *bias, float *y, int threads);
 
 /* A product: {format, O, groups, weight, scale, zero, bias}. Formats as decode.c (1 int8, 2 int4,
-   3 q8_0, 4 q4_0, 5 q4_1), with 0 = fp32 row-major and 6 = fp32 column-major (W^T contiguous). */
-enum { LIN_FIELDS = 7, F32_ROWS = 0, F32_COLS = 6 };
+   3 q8_0, 4 q4_0, 5 q4_1), with 0 = fp32 row-major, 6 = fp32 column-major (W^T contiguous), and
+   A8 + format for int4, q8_0 and q4_0 times Q8_0 activations (decode.c's `cs336_a8`). */
+enum { LIN_FIELDS = 7, F32_ROWS = 0, F32_COLS = 6, A8 = 16 };
 /* A layer: {attn_norm, mlp_norm, k cache, v cache, window (0: none), qkv, o, gateup, down}. */
 enum { LAYER_HEAD = 5, LAYER_FIELDS = LAYER_HEAD + 4 * LIN_FIELDS };
 /* dims: {B, T, D, N, K, H, F, S (cache slots), threads} */
@@ -57,6 +60,8 @@ static void linear(const i64 *L, const float *x, i64 M, i64 I, float *y, int thr
         cs336_f32_cols(x, M, I, I, (const float *)w, O, bias, y, threads);
     else if (fmt == 1)
         cs336_int8(x, M, I, I, (const int8_t *)w, (const float *)scale, O, bias, y, threads);
+    else if (fmt > A8)
+        cs336_a8((int)(fmt - A8), x, M, I, I, (const uint8_t *)w, (const uint16_t *)scale, zero, G, O, bias, y, threads);
     else if (fmt == 2)
         cs336_int4(x, M, I, I, (const uint8_t *)w, (const uint16_t *)scale, zero, G, O, bias, y, threads);
     else

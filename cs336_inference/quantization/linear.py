@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_map
 
 from cs336_inference import kernels as decode_kernels
 from cs336_inference.quantization import ggml_blocks
+from cs336_inference.quantization.a8 import A8_FORMATS, a8_linear
 from cs336_inference.quantization.absmax import absmax_dequantize, absmax_quantize
 from cs336_inference.quantization.int4 import check_group_size, int4_dequantize, int4_quantize
 
@@ -102,6 +103,16 @@ def check_format(fmt: str, d_in: int, group_size: int | None) -> int | None:
     return group_size
 
 
+def check_activations(fmt: str, activations: str, group_size: int | None) -> None:
+    """A one-line error unless the layer can take x in Q8_0 blocks (a8.py)."""
+    if activations != "q8_0":
+        raise ValueError(f"activations={activations!r}: the one activation format is 'q8_0'")
+    if fmt not in A8_FORMATS:
+        raise ValueError(f"Q8_0 activations take {', '.join(A8_FORMATS)} weights, not {fmt}")
+    if fmt == "int4" and group_size % ggml_blocks.QK:
+        raise ValueError(f"int4 with Q8_0 activations needs groups of a multiple of 32, not {group_size}")
+
+
 class QuantizedLinear(nn.Module):
     """y = x dequantize(stored)^T + b, with the stored tensors as (persistent) buffers."""
 
@@ -113,9 +124,13 @@ class QuantizedLinear(nn.Module):
         stored: dict[str, Tensor],
         group_size: int | None = None,
         bias: Tensor | None = None,
+        activations: str | None = None,
     ):
         super().__init__()
         self.fmt, self.d_in, self.d_out, self.group_size = fmt, d_in, d_out, group_size
+        if activations is not None:
+            check_activations(fmt, activations, group_size)
+        self.activations = activations  # "q8_0": x quantized in blocks of 32 before the product (a8.py)
         self.stored_names = tuple(stored)
         for name, t in stored.items():
             self.register_buffer(name, t.contiguous())
@@ -173,11 +188,14 @@ class QuantizedLinear(nn.Module):
         if y is not None:
             return y
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.activations is not None:
+            return a8_linear(x, self.fmt, self.stored(), bias).to(x.dtype)
         return F.linear(x, self.dequantize().to(x.dtype), bias)
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.group_size else ""
-        return f"{self.fmt}, d_in={self.d_in}, d_out={self.d_out}{group}, bias={self.bias is not None}"
+        acts = f", activations={self.activations}" if self.activations else ""
+        return f"{self.fmt}, d_in={self.d_in}, d_out={self.d_out}{group}{acts}, bias={self.bias is not None}"
 
 
 class PackedWeight(Tensor):

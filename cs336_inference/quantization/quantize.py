@@ -29,11 +29,24 @@ from torch import Tensor, nn
 
 from cs336_inference.layers import Embedding, Linear
 from cs336_inference.quantization.awq import awq_fold
-from cs336_inference.quantization.linear import QuantizedEmbedding, QuantizedLinear, check_format
+from cs336_inference.quantization.linear import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    check_activations,
+    check_format,
+)
 from cs336_inference.quantization.llm_int8 import DEFAULT_THRESHOLD, LLMInt8Linear
 
-METHODS = ("int8", "int4", "q8_0", "q4_0", "q4_1", "llm_int8", "w8a8", "awq")
-STORAGE = {"llm_int8": "int8", "w8a8": "int8", "awq": "int4"}  # the stored format of each method
+METHODS = ("int8", "int4", "q8_0", "q4_0", "q4_1", "llm_int8", "w8a8", "awq", "int4_a8", "q8_0_a8", "q4_0_a8")
+# the stored format of each method; "_a8": those weights times x in Q8_0 blocks (a8.py)
+STORAGE = {
+    "llm_int8": "int8",
+    "w8a8": "int8",
+    "awq": "int4",
+    "int4_a8": "int4",
+    "q8_0_a8": "q8_0",
+    "q4_0_a8": "q4_0",
+}
 
 
 def quantized_layers(model: nn.Module) -> dict[str, QuantizedLinear]:
@@ -63,7 +76,8 @@ def quantize_model(
     group_size: int4 / awq (default 64; must divide every quantized row width). The llama.cpp
     formats have fixed blocks of 32 and int8 / llm_int8 one scale per row: any other group_size
     is an error. calibration: token ids [B, T] for awq (e.g. a few hundred tokens of text).
-    threshold: the outlier threshold of llm_int8.
+    threshold: the outlier threshold of llm_int8. "int4_a8", "q8_0_a8", "q4_0_a8": int4 / q8_0 /
+    q4_0 weights whose products quantize x in Q8_0 blocks first, as llama.cpp does (a8.py).
     """
     if method not in METHODS:
         raise ValueError(f"unknown quantization method {method!r}; known: {', '.join(METHODS)}")
@@ -74,11 +88,14 @@ def quantize_model(
             f"the model is already quantized ({name} is {layer.fmt}); quantize the float model instead"
         )
     fmt = STORAGE.get(method, method)
+    activations = "q8_0" if method.endswith("_a8") else None
     linears = _block_linears(model)
     head = [] if not quantize_head else [model.vocab_weight]
     for _, _, lin, name in linears:
         try:
             group_size_used = check_format(fmt, lin.weight.shape[1], group_size)
+            if activations:
+                check_activations(fmt, activations, group_size_used)
         except ValueError as e:
             raise ValueError(f"{method}: {e} ({name})") from None
     for w in head:
@@ -99,18 +116,23 @@ def quantize_model(
             layer = LLMInt8Linear.from_linear(lin, threshold=threshold if method == "llm_int8" else math.inf)
         else:
             layer = QuantizedLinear.from_linear(lin, fmt, group_size)
+            layer.activations = activations
         setattr(parent, attr, layer.to(lin.weight.device))
     if quantize_head:
-        _quantize_vocab(new, fmt, group_size)
+        _quantize_vocab(new, fmt, group_size, activations)
     return new.eval()
 
 
-def _quantize_vocab(model: nn.Module, fmt: str, group_size: int | None) -> None:
+def _quantize_vocab(
+    model: nn.Module, fmt: str, group_size: int | None, activations: str | None = None
+) -> None:
     device = model.embed.weight.device
     table = QuantizedLinear.from_weight(model.embed.weight, fmt, group_size).to(device)
+    table.activations = activations  # the output product's; the lookup dequantizes rows
     model.embed = QuantizedEmbedding(table, model.embed.weight.dtype)
     if model.lm_head is not None:
         model.lm_head = QuantizedLinear.from_linear(model.lm_head, fmt, group_size).to(device)
+        model.lm_head.activations = activations
 
 
 def model_nbytes(model: nn.Module) -> int:
