@@ -400,7 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     dec.add_argument("--quick", action="store_true", help="16 and 32 new tokens only")
     dec.add_argument("--runs", type=int, default=3, help="timed runs per measurement (median; >= 1)")
     dec.add_argument("--out", type=Path, help="write the results as JSON here")
-    dec.add_argument("--formats", default="fp32,int8,int4,q8_0,q4_0", help="weight formats to compare")
+    dec.add_argument(
+        "--formats",
+        default="fp32,int8,int4,q8_0,q4_0,int4_a8,q4_0_a8",
+        help="weight formats (quantize_model methods) to compare; _a8: x in Q8_0 blocks, as llama.cpp",
+    )
     dec.add_argument("--new-tokens", type=int, default=128, help="decode steps per format timing")
     dec.add_argument("--formats-only", action="store_true", help="only the per-format comparison")
     dec.add_argument("--png", type=Path, help="plot tokens/s vs bits per weight here")

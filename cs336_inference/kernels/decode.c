@@ -27,7 +27,8 @@
    rows as one stream (`prefetch_tile`).
 
    llm_int8 / w8a8 layers (int8 weights times int8 activations, quantized per row) have their own
-   kernel at the end of the file: exact int32 products with AVX512-VNNI. With CS336_KERNELS_AMX=1,
+   kernel near the end of the file: exact int32 products with AVX512-VNNI; so do the _a8 methods
+   (int4, Q8_0, Q4_0 weights times x in Q8_0 blocks, `cs336_a8`: exact block sums with AVX2). With CS336_KERNELS_AMX=1,
    int4 and int8 products go to amx.c's tile kernels instead (same numbers to fp32 rounding).
 
    The column-major fp32 kernel (W^T stored [I, O], how layers.Linear keeps its weight) adds

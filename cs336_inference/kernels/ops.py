@@ -117,7 +117,9 @@ def quantized_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"]
     if lib is None:
         return None
     compiling = torch.compiler.is_compiling()  # the compiled ops take up to MAX_ROWS rows
-    rows = _rows(x, layer.d_in, False, MAX_ROWS if compiling else QUANTIZED_MAX_ROWS)
+    # Q8_0 activations have no BLAS path (their products are integer sums): every prompt length
+    limit = MAX_ROWS if compiling else QUANTIZED_MAX_ROWS if layer.activations is None else 1 << 62
+    rows = _rows(x, layer.d_in, False, limit)
     fmt, bias = layer.fmt, layer.bias
     if rows is None or (bias is not None and bias.dtype != torch.float32) or fmt not in FORMAT_CODES:
         return None
