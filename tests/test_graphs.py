@@ -400,18 +400,29 @@ def _native_model(variant: str, fmt: str = "fp32", seed: int = 0) -> Transformer
     return model if fmt == "fp32" else quantize_model(model, fmt, quantize_head=True)
 
 
+def _native_pair(model, T: int, S: int, label: str):
+    """(eager cache, fixed cache, native T-token step, first ids): two caches of 2 rows holding the
+    same 7-token prompt, one for the model's cached forward and one for the native step."""
+    prompt = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    eager_cache, fixed_cache = model.new_cache(2, S, spare=S), model.new_cache(2, S, spare=S)
+    model(prompt, cache=eager_cache)
+    model(prompt, cache=fixed_cache)
+    step = FixedStep(model, fixed_cache, "native", T=T)
+    assert step.step.native is not None, f"{label}: the native layers were not made"
+    return (
+        eager_cache,
+        fixed_cache,
+        step,
+        torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(2)),
+    )
+
+
 def _check_native_steps(model, T: int, label: str, tol: float = 1e-4, steps: int | None = None):
     """The native T-token step against the cached forward (2 rows), to float32 rounding (its sums
     and softmax add up in another order than torch's)."""
-    prompt = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
     S = 40
     with torch.inference_mode():
-        eager_cache, fixed_cache = model.new_cache(2, S, spare=S), model.new_cache(2, S, spare=S)
-        model(prompt, cache=eager_cache)
-        model(prompt, cache=fixed_cache)
-        step = FixedStep(model, fixed_cache, "native", T=T)
-        assert step.step.native is not None, f"{label}: the native layers were not made"
-        ids = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(2))
+        eager_cache, fixed_cache, step, ids = _native_pair(model, T, S, label)
         for t in range(steps or (S - 7) // T):
             expected = model(ids, cache=eager_cache)
             got = step(ids).reshape(expected.shape)
@@ -445,16 +456,10 @@ def test_the_native_step_runs_the_q8_0_activation_formats(fmt, T):
     cached forward to 1e-4 (measured: 7 to 11 of 11, 30 to 33 of 33); with float products in the
     native step instead (x not rounded) none does."""
     model = _native_model("gqa", fmt)
-    prompt = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
     S, close = 40, 0
     calls = (S - 7) // T
     with torch.inference_mode():
-        eager_cache, fixed_cache = model.new_cache(2, S, spare=S), model.new_cache(2, S, spare=S)
-        model(prompt, cache=eager_cache)
-        model(prompt, cache=fixed_cache)
-        step = FixedStep(model, fixed_cache, "native", T=T)
-        assert step.step.native is not None, f"{fmt}: the native layers were not made"
-        ids = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(2))
+        eager_cache, fixed_cache, step, ids = _native_pair(model, T, S, fmt)
         for t in range(calls):
             expected = model(ids, cache=eager_cache)
             got = step(ids).reshape(expected.shape)
