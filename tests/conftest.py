@@ -18,3 +18,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
         for item in cuda_items:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["haswell", "x86-64"])
+def march(request, monkeypatch):
+    """The kernels built for an AVX2 CPU (8 lanes) or plain x86-64 (4 lanes, no intrinsics), on
+    whatever CPU runs the tests; the normal build again afterwards (tests/test_kernels.py, test_a8.py)."""
+    from cs336_inference.kernels import build
+
+    monkeypatch.delenv("CS336_KERNELS", raising=False)
+    monkeypatch.setenv("CS336_KERNELS_MARCH", request.param)
+    build.reset()
+    if build.library() is None:
+        build.reset()
+        pytest.skip(f"could not build for -march={request.param} here")
+    yield request.param
+    build.reset()

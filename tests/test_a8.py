@@ -160,3 +160,19 @@ def test_methods_and_layers_refuse_what_q8_0_activations_do_not_take_in_one_line
     layers = [m for m in q.modules() if isinstance(m, QuantizedLinear)]
     assert layers and all(m.activations == "q8_0" and m.fmt == "q4_0" for m in layers)
     assert "activations=q8_0" in repr(layers[0])
+
+
+def test_the_avx2_and_plain_c_builds_of_the_a8_kernel_equal_the_reference(march):
+    with torch.inference_mode():
+        for fmt, d_out, d_in, group_size in CASES:
+            layer = a8_layer(fmt, d_out, d_in, group_size)
+            x = rows(17, d_in, "contiguous", seed=3)
+            full = kernels.quantized_linear(layer, x)
+            assert full is not None, f"{fmt}_a8 ({march}): the kernel declined"
+            ref = a8_linear(x, fmt, layer.stored(), layer.bias)
+            worst = ((full.double() - ref.double()).abs() / bound(x, layer)).max().item()
+            assert worst < 1e-6, f"{fmt}_a8 ({march}): {worst:.3g} of sum |x||w| from the reference"
+            for M in (1, 3, 5):
+                assert torch.equal(kernels.quantized_linear(layer, x[:M]), full[:M]), (
+                    f"{fmt}_a8 ({march}): {M} rows"
+                )

@@ -223,20 +223,6 @@ def test_a_failed_cpp_build_is_one_line_and_compiled_steps_keep_the_python_bodie
     assert ops._compiled_ops() is torch.ops.cs336
 
 
-@pytest.fixture(params=["haswell", "x86-64"])
-def march(request, monkeypatch):
-    """The kernels built for an AVX2 CPU (8 lanes) or plain x86-64 (4 lanes, no intrinsics), on
-    whatever CPU runs the tests; the normal build again afterwards."""
-    monkeypatch.delenv("CS336_KERNELS", raising=False)
-    monkeypatch.setenv("CS336_KERNELS_MARCH", request.param)
-    build.reset()
-    if build.library() is None:
-        build.reset()
-        pytest.skip(f"could not build for -march={request.param} here")
-    yield request.param
-    build.reset()
-
-
 def test_the_avx2_and_plain_c_builds_equal_the_reference(march):
     """The same source compiled for AVX2 and for plain x86-64: every format, 1, 3, 5 and 17 rows,
     bitwise row independence."""

@@ -869,9 +869,12 @@ static void a8_quantize_x(const float *x, i64 M, i64 I, i64 ldx, int deinterleav
         for (i64 b = 0; b < I / 32; b++) {
             const float *xb = x + m * ldx + 32 * b;
             float amax = 0.f, v[32];
-            for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(xb[k]));
+            for (int k = 0; k < 32; k++) amax = fabsf(xb[k]) > amax ? fabsf(xb[k]) : amax;
             float d = amax / 127.f, inv = d == 0.f ? 0.f : 1.f / d;
-            for (int k = 0; k < 32; k++) v[k] = roundf(xb[k] * inv); /* half away from zero, as ggml */
+            for (int k = 0; k < 32; k++) { /* roundf (half away from zero, as ggml) in steps GCC vectorizes */
+                float t = xb[k] * inv, a = fabsf(t), whole = floorf(a);
+                v[k] = copysignf(whole + floorf(2.f * (a - whole)), t);
+            }
             int8_t *q = qx + m * I + 32 * b;
             for (int k = 0; k < 32; k++) q[k] = (int8_t)(deinterleave ? v[k < 16 ? 2 * k : 2 * (k - 16) + 1] : v[k]);
             dx[m * (I / 32) + b] = d;
