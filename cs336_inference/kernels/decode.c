@@ -843,10 +843,11 @@ void cs336_w8a8(const float *x, i64 M, i64 I, i64 ldx, const int8_t *q, const fl
    qw: q - 8 (Q4_0), q (Q8_0), q - zero with the group's scale as d_w (int4, whose x is quantized in
    the de-interleaved order of `int4_x_order`, a permutation inside each 32-block). With AVX2 a
    block of one weight row against one x row is: the weight bytes' signs moved onto x (vpsignb:
-   vpmaddubsw wants one operand unsigned), 16 byte pairs multiplied and added into 16-bit numbers
-   (at most 2 * 127 * 127, exact), 8 of those pairs into 32-bit lanes, converted, and one
-   multiply-add by d_w d_x: 7 instructions per 32 weights where the float kernels above spend 12 to
-   16. A pair's operations do not depend on the rows beside it. */
+   vpmaddubsw wants one operand unsigned; weights lie in [-127, 127], as ggml's Q8_0 makes them),
+   the 32 byte products added in pairs into 16-bit numbers (at most 2 * 127 * 127, exact), those in
+   pairs into 8 32-bit lanes, converted, and one multiply-add by d_w d_x: 7 instructions per 32
+   weights and x row, where the float kernels above spend 12 to 16. A pair's operations do not
+   depend on the rows beside it. */
 
 /* block b of weight row o: its scale (d_w), the number its nibbles hold in excess (8, the zero point,
    0 for Q8_0) and where its 16 or 32 bytes of integers start */
