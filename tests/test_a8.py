@@ -42,9 +42,7 @@ def a8_layer(fmt, d_out, d_in, group_size, bias=True):
     g = torch.Generator().manual_seed(d_out * 1000 + d_in)
     w = torch.randn(d_out, d_in, generator=g)
     b = torch.randn(d_out, generator=g) if bias else None
-    layer = QuantizedLinear.from_weight(w, fmt, group_size=group_size, bias=b)
-    layer.activations = "q8_0"
-    return layer
+    return QuantizedLinear.from_weight(w, fmt, group_size=group_size, bias=b, activations="q8_0")
 
 
 def rows(M, d_in, layout, seed=0):

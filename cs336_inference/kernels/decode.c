@@ -859,7 +859,7 @@ static inline __attribute__((always_inline)) const uint8_t *a8_head(const Weight
         *d = half_to_float(W->scale16[g]), *sub = W->zero[g];
         return row + b * 16;
     }
-    const uint8_t *p = row + b * (fmt == FMT_Q8_0 ? 34 : 18);
+    const uint8_t *p = row + block_bytes(W, fmt, 32 * b);
     *d = half_to_float(read_u16(p)), *sub = fmt == FMT_Q4_0 ? 8 : 0;
     return p + 2;
 }
@@ -899,7 +899,7 @@ static inline __attribute__((always_inline)) void a8_tile(const Weight *W, int f
     const i64 nb = I / 32, ahead = PREFETCH_ROWS * W->row_bytes;
 #ifdef CS336_AVX2
     const int one_stream = fmt != FMT_INT4 && W->row_bytes <= ONE_STREAM;
-    const i64 bb = fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_0 ? 18 : 16, per_scale = fmt == FMT_INT4 ? nb / W->groups : 1; /* blocks per scale */
+    const i64 bb = block_bytes(W, fmt, 32), per_scale = fmt == FMT_INT4 ? nb / W->groups : 1; /* blocks per scale */
     const __m256i ones = _mm256_set1_epi16(1);
     const uint8_t *row[4];
     for (int j = 0; j < 4; j++) row[j] = (const uint8_t *)W->w + oj[j] * W->row_bytes;
@@ -917,7 +917,8 @@ static inline __attribute__((always_inline)) void a8_tile(const Weight *W, int f
         for (i64 b = b0; b < b0 + per_scale; b++) {
             prefetch_tile(row, 4, one_stream, ahead, b * bb, (int)bb);
             __m256i w[4];
-            for (int j = 0; j < 4; j++) w[j] = a8_weights(fmt, row[j] + b * bb + (fmt == FMT_INT4 ? 0 : 2), sub[j]);
+            for (int j = 0; j < 4; j++) /* the block's integers: past the fp16 scale, int4 has none */
+                w[j] = a8_weights(fmt, row[j] + b * bb + (fmt == FMT_INT4 ? 0 : 2), sub[j]);
             for (int r = 0; r < R; r++) {
                 const __m256i xq = _mm256_loadu_si256((const __m256i *)(qx + r * I + 32 * b)), ax = _mm256_abs_epi8(xq);
                 const __m256 dxv = _mm256_set1_ps(dx[r * nb + b]);
@@ -954,7 +955,7 @@ static inline __attribute__((always_inline)) void a8_tile(const Weight *W, int f
 /* fmt: FMT_INT4 (scale fp16 [O, G], zero [O, G], I / G a multiple of 32), FMT_Q8_0 or FMT_Q4_0 (raw blocks) */
 void cs336_a8(int fmt, const float *x, i64 M, i64 I, i64 ldx, const uint8_t *w, const uint16_t *scale,
               const uint8_t *zero, i64 G, i64 O, const float *bias, float *y, int threads) {
-    Weight W = {fmt, w, fmt == FMT_INT4 ? I / 2 : I / 32 * (fmt == FMT_Q8_0 ? 34 : 18), NULL, scale, zero, G, -1};
+    Weight W = {fmt, w, block_bytes(NULL, fmt, I), NULL, scale, zero, G, -1};
     int8_t *qx = (int8_t *)malloc((size_t)(M * I));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * (I / 32)));
     a8_quantize_x(x, M, I, ldx, fmt == FMT_INT4, qx, dx);

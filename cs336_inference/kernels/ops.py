@@ -133,29 +133,29 @@ def quantized_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"]
     scale, zero = getattr(layer, "scale", None), getattr(layer, "zero", None)
     if compiling:
         return _compiled_ops().quantized(x, layer.qweight, scale, zero, bias, FORMAT_CODES[fmt], layer.d_out)
-    if layer.activations is not None:
-        fmt = fmt + "_a8"
-    return _quantized_call(lib, rows, x, layer.qweight, scale, zero, bias, fmt, layer.d_out)
+    a8 = layer.activations is not None
+    return _quantized_call(lib, rows, x, layer.qweight, scale, zero, bias, fmt, layer.d_out, a8)
 
 
-def _quantized_call(lib, rows, x, q, scale, zero, bias, fmt: str, d_out: int) -> Tensor:
+def _quantized_call(lib, rows, x, q, scale, zero, bias, fmt: str, d_out: int, a8: bool = False) -> Tensor:
     x2, M, ldx = rows
     y = torch.empty(*x.shape[:-1], d_out)
     bias, threads = None if bias is None else bias.data_ptr(), torch.get_num_threads()
     for m in range(0, M, MAX_ROWS):  # a prefill: MAX_ROWS rows per call, each reading the weights once
         _quantized_rows(lib, x2.data_ptr() + 4 * m * ldx, min(MAX_ROWS, M - m), x.shape[-1], ldx,
-                        q, scale, zero, bias, fmt, d_out, y.data_ptr() + 4 * m * d_out, threads)  # fmt: skip
+                        q, scale, zero, bias, fmt, d_out, y.data_ptr() + 4 * m * d_out, threads, a8)  # fmt: skip
     return y
 
 
 def _quantized_rows(
-    lib, x_ptr, M, d_in, ldx, q, scale, zero, bias, fmt: str, d_out: int, y_ptr, threads
+    lib, x_ptr, M, d_in, ldx, q, scale, zero, bias, fmt: str, d_out: int, y_ptr, threads, a8: bool = False
 ) -> None:
-    """One C call on M <= MAX_ROWS rows: x and y as data pointers, bias a data pointer or None."""
-    if fmt.endswith("_a8"):  # x in Q8_0 blocks (quantization/a8.py)
-        groups = scale.shape[1] if fmt == "int4_a8" else 0
+    """One C call on M <= MAX_ROWS rows: x and y as data pointers, bias a data pointer or None; a8:
+    x in Q8_0 blocks (quantization/a8.py)."""
+    if a8:
+        groups = scale.shape[1] if fmt == "int4" else 0
         lib.cs336_a8(
-            FORMAT_CODES[fmt[:-3]], x_ptr, M, d_in, ldx, q.data_ptr(), scale.data_ptr() if groups else None,
+            FORMAT_CODES[fmt], x_ptr, M, d_in, ldx, q.data_ptr(), scale.data_ptr() if groups else None,
             zero.data_ptr() if groups else None, groups, d_out, bias, y_ptr, threads,
         )  # fmt: skip
     elif fmt == "int8":

@@ -138,17 +138,26 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_weight(
-        cls, weight: Float[Tensor, "O I"], fmt: str, group_size: int | None = None, bias: Tensor | None = None
+        cls,
+        weight: Float[Tensor, "O I"],
+        fmt: str,
+        group_size: int | None = None,
+        bias: Tensor | None = None,
+        activations: str | None = None,
     ) -> QuantizedLinear:
         d_out, d_in = weight.shape
         group_size = check_format(fmt, d_in, group_size)
+        if activations is not None:
+            check_activations(fmt, activations, group_size)
         with torch.no_grad():
             stored = FORMATS[fmt].quantize(weight.detach(), group_size)
-        return cls(fmt, d_in, d_out, stored, group_size, bias)
+        return cls(fmt, d_in, d_out, stored, group_size, bias, activations)
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, fmt: str, group_size: int | None = None) -> QuantizedLinear:
-        return cls.from_weight(linear.weight, fmt, group_size, getattr(linear, "bias", None))
+    def from_linear(
+        cls, linear: nn.Module, fmt: str, group_size: int | None = None, activations: str | None = None
+    ) -> QuantizedLinear:
+        return cls.from_weight(linear.weight, fmt, group_size, getattr(linear, "bias", None), activations)
 
     def stored(self) -> dict[str, Tensor]:
         return {name: getattr(self, name) for name in self.stored_names}

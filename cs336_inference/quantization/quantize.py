@@ -94,7 +94,7 @@ def quantize_model(
     for _, _, lin, name in linears:
         try:
             group_size_used = check_format(fmt, lin.weight.shape[1], group_size)
-            if activations:
+            if activations is not None:
                 check_activations(fmt, activations, group_size_used)
         except ValueError as e:
             raise ValueError(f"{method}: {e} ({name})") from None
@@ -115,8 +115,7 @@ def quantize_model(
         if method in ("llm_int8", "w8a8"):
             layer = LLMInt8Linear.from_linear(lin, threshold=threshold if method == "llm_int8" else math.inf)
         else:
-            layer = QuantizedLinear.from_linear(lin, fmt, group_size)
-            layer.activations = activations
+            layer = QuantizedLinear.from_linear(lin, fmt, group_size, activations)
         setattr(parent, attr, layer.to(lin.weight.device))
     if quantize_head:
         _quantize_vocab(new, fmt, group_size, activations)
@@ -127,12 +126,13 @@ def _quantize_vocab(
     model: nn.Module, fmt: str, group_size: int | None, activations: str | None = None
 ) -> None:
     device = model.embed.weight.device
-    table = QuantizedLinear.from_weight(model.embed.weight, fmt, group_size).to(device)
-    table.activations = activations  # the output product's; the lookup dequantizes rows
+    # activations: the output product's; the lookup dequantizes rows
+    table = QuantizedLinear.from_weight(model.embed.weight, fmt, group_size, activations=activations).to(
+        device
+    )
     model.embed = QuantizedEmbedding(table, model.embed.weight.dtype)
     if model.lm_head is not None:
-        model.lm_head = QuantizedLinear.from_linear(model.lm_head, fmt, group_size).to(device)
-        model.lm_head.activations = activations
+        model.lm_head = QuantizedLinear.from_linear(model.lm_head, fmt, group_size, activations).to(device)
 
 
 def model_nbytes(model: nn.Module) -> int:
