@@ -277,22 +277,25 @@ def format_benchmark(
     log("T-token forwards")
     t_cost, floor, floor_native = {}, {}, {}
 
-    def floor_of(base: float) -> dict[int, float] | None:
+    def floor_of(fmt: str, base: float) -> dict[int, float] | None:
         """A bound on the T-token cost from arithmetic alone: T rows are T x params multiply-adds,
-        at best at the fma peak (memory reads and weight decoding could all overlap them)."""
-        return None if fma is None else {T: max(1.0, T * params / fma / base) for T in T_SIZES}
+        at best at the fma peak (memory reads and weight decoding could all overlap them). None for
+        the "_a8" methods: their rows are integer dot products, which this fp32 peak does not bound."""
+        if fma is None or fmt.endswith("_a8"):
+            return None
+        return {T: max(1.0, T * params / fma / base) for T in T_SIZES}
 
     def costs(seconds: dict[int, float]) -> dict[int, float]:
         return {T: seconds[T] / seconds[1] for T in T_SIZES}
 
     for fmt, m in models.items():
         seconds = t_token_seconds(m, prompt, 2 * rounds + 3)
-        t_cost[fmt], floor[fmt] = costs(seconds), floor_of(seconds[1])
+        t_cost[fmt], floor[fmt] = costs(seconds), floor_of(fmt, seconds[1])
         log(f"  {fmt}: " + ", ".join(f"T={T} {v:.2f}x" for T, v in t_cost[fmt].items()))
     t_native = {}
     for fmt, m in models.items() if native else ():
         seconds = t_token_seconds(m, prompt, 2 * rounds + 3, "native")
-        t_native[fmt], floor_native[fmt] = costs(seconds), floor_of(seconds[1])
+        t_native[fmt], floor_native[fmt] = costs(seconds), floor_of(fmt, seconds[1])
         log(f"  {fmt} native steps: " + ", ".join(f"T={T} {v:.2f}x" for T, v in t_native[fmt].items()))
     t_amx = {}
     for fmt, m in amx_models.items():
@@ -327,8 +330,8 @@ def format_benchmark(
         "t_token_cost_native": t_native,
         "t_token_cost_native_amx": t_amx,
         # the least T-token cost arithmetic allows: max(1, T x params / fma_per_s / (T = 1 seconds))
-        "t_token_floor": floor if fma is not None else {},
-        "t_token_floor_native": floor_native if fma is not None else {},
+        "t_token_floor": {f: v for f, v in floor.items() if v is not None},
+        "t_token_floor_native": {f: v for f, v in floor_native.items() if v is not None},
         "llama_cpp": llama_note or "ran",
     }
 
@@ -382,6 +385,9 @@ def format_table(r: dict) -> str:
             lines.append(
                 f"{fmt + (' n' if native else ''):<12}" + "".join(f"{cost[T]:>7.2f}x" for T in T_SIZES)
             )
+        a8 = [f for f in r["t_token_cost"] if f.endswith("_a8")]
+        if a8:
+            lines.append(f"(none for {', '.join(a8)}: integer dot products, not bound by the fp32 peak)")
     if r["llama_cpp"] != "ran":
         lines += ["", r["llama_cpp"]]
     return "\n".join(lines)

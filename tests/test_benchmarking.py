@@ -148,20 +148,24 @@ def test_format_benchmark_adds_native_rows_and_their_t_token_costs(tmp_path):
     from cs336_inference import format_benchmark as fb
 
     model, prompt = _one_layer_model_with_kernels()
-    r = fb.format_benchmark(
-        model, prompt, ["fp32", "int8"], new_tokens=2, rounds=1, llama_cpp=False, native=True
-    )
-    assert set(r["rows"]) == {"ours fp32", "ours int8", "ours fp32 native", "ours int8 native"}
-    assert r["settings"]["native"] and set(r["t_token_cost_native"]) == {"fp32", "int8"}
+    formats = ["fp32", "int8", "q4_0_a8"]
+    r = fb.format_benchmark(model, prompt, formats, new_tokens=2, rounds=1, llama_cpp=False, native=True)
+    assert set(r["rows"]) == {f"ours {f}" for f in formats} | {f"ours {f} native" for f in formats}
+    assert r["settings"]["native"] and set(r["t_token_cost_native"]) == set(formats)
     assert set(r["t_token_cost_native"]["int8"]) == set(fb.T_SIZES)
     table = fb.format_table(r)
     assert "ours int8 native" in table and "int8 n" in table
-    # the arithmetic bound: at least 1, growing with T, printed under the costs
+    # the arithmetic bound: at least 1, growing with T, printed under the costs; none for the a8
+    # method, whose extra rows are integer dot products the fp32 peak does not bound
     assert r["env"]["fma_per_s"] > 1e9 and set(r["t_token_floor_native"]) == {"fp32", "int8"}
+    assert set(r["t_token_floor"]) == {"fp32", "int8"}
     for floor in r["t_token_floor_native"].values():
         costs = [floor[T] for T in fb.T_SIZES]
         assert costs[0] >= 1.0 and costs == sorted(costs), floor
-    assert "least cost from arithmetic alone" in table
+    assert (
+        "least cost from arithmetic alone" in table and "q4_0_a8 n " not in table.split("arithmetic alone")[1]
+    )
+    assert "(none for q4_0_a8: integer dot products" in table
     fb.plot(r, tmp_path / "formats.png")
 
 
