@@ -16,6 +16,9 @@ bits agree (cs336_inference/kernels/compare_builds.py; for kernel changes).
 
     python scripts/benchmark.py kernels --base HEAD~1 --formats int4,q4_0 --rows 1,5,17 --out runs/ab.json
 
+With --passes, whole native T-token passes of SmolLM2 instead (T = the --rows values; the decoder
+layers in each build, the output matrix in the tree's).
+
 `serve`: static vs continuous batching on a generated workload (throughput, TTFT, TPOT, KV waste).
 
     python scripts/benchmark.py serve --rates 1,4 --requests 32 --out serve.json --plot serve.png
@@ -379,6 +382,15 @@ def run_kernels(args: argparse.Namespace) -> dict:
         rows = [int(m) for m in args.rows.split(",")]
     except ValueError:
         raise BenchmarkError(f"--rows takes numbers separated by commas, got {args.rows!r}") from None
+    if args.passes:  # whole native T-token passes of SmolLM2, T = the --rows values
+        from cs336_inference.checkpoint import default_model_path, load_pretrained
+
+        model = load_pretrained(default_model_path())
+        result = compare_builds.compare_passes(
+            args.base, model, args.formats.split(","), rows, args.rounds, log=log
+        )
+        result["table"] = compare_builds.format_passes(result)
+        return result
     result = compare_builds.compare(args.base, args.formats.split(","), rows, args.rounds, log=log)
     result["table"] = compare_builds.format_compare(result)
     return result
@@ -437,6 +449,11 @@ def main(argv: list[str] | None = None) -> int:
     ker.add_argument("--formats", default=",".join(("fp32", "int8", "int4", "q8_0", "q4_0", "q4_1")))
     ker.add_argument("--rows", default="1,2,5,9,17", help="rows of x per product (1..32)")
     ker.add_argument("--rounds", type=int, default=9, help="alternating timed rounds (median)")
+    ker.add_argument(
+        "--passes",
+        action="store_true",
+        help="time whole native T-token passes of SmolLM2 (T = the --rows values) instead of the products",
+    )
     ker.add_argument("--out", type=Path, help="write the results as JSON here")
     spec = sub.add_parser("speculative", help="speculative decoding: alpha, tokens/pass, speedup vs k")
     spec.add_argument("--model", help="target checkpoint (default: SmolLM2-135M-Instruct GGUF)")

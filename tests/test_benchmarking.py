@@ -218,6 +218,23 @@ def test_comparing_kernel_builds_times_both_and_says_whether_their_bits_agree():
     assert "tree/base" in compare_builds.format_compare(r)
 
 
+def test_comparing_kernel_builds_on_native_passes_times_both_per_t():
+    from cs336_inference.kernels import build, compare_builds
+
+    if build.library() is None or not _kernel_sources_match_head():
+        pytest.skip("needs the kernels built and their sources unchanged from HEAD")
+    model, _ = _one_layer_model_with_kernels()
+    r = compare_builds.compare_passes(
+        "HEAD", model, ("fp32", "q4_0"), (1, 3), 2, prompt_len=8, log=lambda _: None
+    )
+    assert [(x["format"], x["T"]) for x in r["results"]] == [(f, T) for f in ("fp32", "q4_0") for T in (1, 3)]
+    for x in r["results"]:
+        assert x["base_ms"] > 0 and x["tree_ms"] > 0 and x["base_cost"] > 0, x
+        assert x["same"], f"{x['format']} T={x['T']}: HEAD's build and the tree's gave different logits"
+    assert [x["tree_cost"] for x in r["results"] if x["T"] == 1] == [1.0, 1.0]
+    assert "tree cost" in compare_builds.format_passes(r)
+
+
 def run_script(argv: list[str]) -> int:
     spec = importlib.util.spec_from_file_location("benchmark_script", ROOT / "scripts" / "benchmark.py")
     script = importlib.util.module_from_spec(spec)

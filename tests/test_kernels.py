@@ -1,6 +1,8 @@
 """The decode kernels (cs336_inference/kernels): equal to the readable references, a row's result
 independent of the rows beside it, and optional (disabled or unbuildable, the PyTorch path runs)."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -235,6 +237,45 @@ def test_the_avx2_and_plain_c_builds_equal_the_reference(march):
             assert_close_to_reference(full, x, w64, b64, f"{name} ({march}), 17 rows")
             for M in (1, 3, 5):
                 assert torch.equal(kernel(x[:, :M]), full[:, :M]), f"{name} ({march}): {M} rows differ"
+
+
+def _check_vector_exp(label: str) -> None:
+    """decode.c's cs336_exp (the native step's softmax) and cs336_silu_mul (its SwiGLU) against
+    float64 e^x and torch's silu."""
+    import numpy as np
+
+    lib = build.library()
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.linspace(-87.3, 88.3, 100_003), torch.randn(4099, generator=g) * 10])
+    y = x.clone()
+    lib.cs336_exp(y.data_ptr(), y.numel())
+    exact = torch.exp(x.double())
+    ulp = torch.from_numpy(np.spacing(exact.float().numpy()).astype(np.float64))
+    err = ((y.double() - exact).abs() / ulp).max().item()
+    assert err <= 2, f"{label}: e^x is {err:.2f} ulp off at worst, expected at most 2"
+    # past the clamp: about 2^-126 below, finite above; NaN stays NaN; a short tail is left as is past n
+    edge = torch.tensor([-1000.0, float("-inf"), 1000.0, float("inf"), float("nan"), 0.0, 1.0, 5.0])
+    lib.cs336_exp(edge.data_ptr(), 7)
+    assert 0 <= edge[0] < 1.3e-38 and 0 <= edge[1] < 1.3e-38, f"{label}: e^-1000 gave {edge[:2].tolist()}"
+    assert 2e38 < edge[2] < float("inf") and 2e38 < edge[3] < float("inf"), f"{label}: {edge[2:4].tolist()}"
+    assert edge[4].isnan() and edge[5] == 1.0 and abs(edge[6] - math.e) < 3e-7, f"{label}: {edge.tolist()}"
+    assert edge[7] == 5.0, f"{label}: cs336_exp wrote past its n numbers"
+    M, F = 3, 300  # F: a short last chunk of 256 and a tail past the last whole vector
+    gu = torch.randn(M, 2 * F, generator=g) * 4
+    a = torch.empty(M, F)
+    lib.cs336_silu_mul(gu.data_ptr(), M, F, a.data_ptr(), 2)
+    expected = torch.nn.functional.silu(gu[:, :F].double()) * gu[:, F:].double()
+    torch.testing.assert_close(
+        a.double(), expected, rtol=1e-6, atol=1e-7, msg=lambda m: f"{label}: silu: {m}"
+    )
+
+
+def test_the_vector_exp_and_silu_are_within_float_rounding(kernels_on):
+    _check_vector_exp("this CPU's build")
+
+
+def test_the_vector_exp_of_the_avx2_and_plain_c_builds(march):
+    _check_vector_exp(march)
 
 
 @pytest.mark.parametrize(("name", "d_out", "d_in", "group_size"), CASES, ids=IDS)

@@ -87,7 +87,9 @@ def _compile(cc: str, flags: list[str], out: Path, sources: tuple[Path, ...] = S
         os.replace(target, out)  # atomic: another process sees the whole file or none
 
 
-def _declare(lib: ctypes.CDLL) -> None:
+def _declare(lib: ctypes.CDLL, every: bool = True) -> None:
+    """Argument and result types of the library's functions; every=False: skip the ones it lacks
+    (an older revision's build, which compare_builds loads)."""
     i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     signatures = {
         "cs336_f32_rows": [p, i64, i64, i64, p, i64, p, p, i32],
@@ -97,10 +99,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cs336_ggml": [i32, p, i64, i64, i64, p, i64, p, p, i32],
         "cs336_w8a8": [p, i64, i64, i64, p, p, i64, p, p, i32],
         "cs336_a8": [i32, p, i64, i64, i64, p, p, p, i64, i64, p, p, i32],
+        "cs336_exp": [p, i64],
+        "cs336_silu_mul": [p, i64, i64, p, i32],
     }
     for name, args in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
+        fn = getattr(lib, name) if every else getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes, fn.restype = args, None
     lib.cs336_has_avx2.restype = ctypes.c_int
     lib.cs336_fma_rate.argtypes, lib.cs336_fma_rate.restype = [i32, i64], ctypes.c_double
     f32 = ctypes.c_float
@@ -125,7 +130,7 @@ def build_from(sources: list[Path], out: Path) -> ctypes.CDLL:
     try:
         _compile(_compiler(), compile_flags(), out, tuple(sources))
         lib = ctypes.CDLL(str(out))
-        _declare(lib)
+        _declare(lib, every=False)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         raise RuntimeError(f"building {', '.join(p.name for p in sources)}: {_one_line(e)}") from None
     return lib

@@ -9,6 +9,10 @@ values), so each format reads the bytes a quantized SmolLM2 reads. A change that
 should keep the bits: `same` says whether both builds gave identical outputs.
 
     python scripts/benchmark.py kernels --base HEAD~3 --formats int4,q4_0 --rows 1,5,17
+
+With --passes, the same turns time whole T-token passes of the native step on SmolLM2 instead
+(`compare_passes`): the decoder layers (step.c, with its products, norms, attention and SwiGLU) run
+in one build and then the other; the embedding and the output matrix run in the working tree's.
 """
 
 from __future__ import annotations
@@ -131,5 +135,78 @@ def format_compare(r: dict) -> str:
         lines.append(
             f"{x['format']:8s}{x['rows']:5d}{x['base_ms']:10.2f}{x['tree_ms']:10.2f}{x['ratio']:10.2f}x  "
             f"{'yes' if x['same'] else 'no'}"
+        )
+    return "\n".join(lines)
+
+
+@torch.inference_mode()
+def compare_passes(
+    base: str, model, formats=("fp32",), sizes=(1, 5, 17), rounds: int = 9, prompt_len: int = 32, log=print
+) -> dict:
+    """Medians of `rounds` alternating rounds: one native T-token pass against a cache holding a
+    prompt, per format (the output matrix quantized too) and T, with cs336_layers from each build;
+    "same" says whether the two gave identical logits; "cost" is each build's pass over its T = 1."""
+    from ..quantization import quantize_model
+    from .graphs import FixedStep
+
+    prompt = torch.randint(
+        0, model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"base": build_at(base, Path(tmp)), "tree": build.library()}
+        results = []
+        for fmt in formats:
+            m = model if fmt == "fp32" else quantize_model(model, fmt, quantize_head=True)
+            medians = {}
+            for T in sizes:
+                cache = m.new_cache(1, prompt_len + T + 1)
+                m(prompt[None], cache=cache)
+                step = FixedStep(m, cache, "native", T)
+                times: dict[str, list[float]] = {k: [] for k in libs}
+                logits = {}
+                for r in range(rounds + 1):  # round 0 warms both up
+                    for k in list(libs) if r % 2 else list(reversed(libs)):
+                        step.step.native.lib = libs[k]
+                        start = time.perf_counter()
+                        logits[k] = step(prompt[None, :T]).clone()
+                        seconds = time.perf_counter() - start
+                        cache.truncate(prompt_len)
+                        if r:
+                            times[k].append(seconds)
+                medians[T] = {k: statistics.median(v) for k, v in times.items()}
+                same = torch.equal(logits["base"], logits["tree"])
+                results.append(
+                    {
+                        "format": fmt,
+                        "T": T,
+                        "base_ms": medians[T]["base"] * 1e3,
+                        "tree_ms": medians[T]["tree"] * 1e3,
+                        "ratio": medians[T]["tree"] / medians[T]["base"],
+                        "same": same,
+                    }
+                )
+                log(
+                    f"  {fmt} T={T}: base {medians[T]['base'] * 1e3:.2f} ms, tree {medians[T]['tree'] * 1e3:.2f} ms"
+                )
+            for x in results:
+                if x["format"] == fmt:
+                    x["base_cost"] = medians[x["T"]]["base"] / medians[sizes[0]]["base"]
+                    x["tree_cost"] = medians[x["T"]]["tree"] / medians[sizes[0]]["tree"]
+    return {"base": base, "rounds": rounds, "sizes": list(sizes), "results": results}
+
+
+def format_passes(r: dict) -> str:
+    T0 = r["sizes"][0]
+    lines = [
+        f"native T-token passes, layers by the kernels at {r['base']} (base) and by the working tree (tree), "
+        f"median of {r['rounds']} alternating rounds; cost: the pass over the T = {T0} pass of the same build",
+        "",
+        f"{'format':8s}{'T':>4s}{'base ms':>10s}{'tree ms':>10s}{'tree/base':>11s}{'base cost':>11s}"
+        f"{'tree cost':>11s}  same bits",
+    ]
+    for x in r["results"]:
+        lines.append(
+            f"{x['format']:8s}{x['T']:4d}{x['base_ms']:10.2f}{x['tree_ms']:10.2f}{x['ratio']:10.2f}x"
+            f"{x['base_cost']:10.2f}x{x['tree_cost']:10.2f}x  {'yes' if x['same'] else 'no'}"
         )
     return "\n".join(lines)

@@ -40,6 +40,8 @@ void cs336_ggml(int fmt, const float *x, i64 M, i64 I, i64 ldx, const uint8_t *r
                 float *y, int threads);
 void cs336_a8(int fmt, const float *x, i64 M, i64 I, i64 ldx, const uint8_t *w, const uint16_t *scale,
               const uint8_t *zero, i64 G, i64 O, const float *bias, float *y, int threads);
+void cs336_exp(float *x, i64 n);
+void cs336_silu_mul(const float *gu, i64 M, i64 F, float *a, int threads);
 
 /* A product: {format, O, groups, weight, scale, zero, bias}. Formats as decode.c (1 int8, 2 int4,
    3 q8_0, 4 q4_0, 5 q4_1), with 0 = fp32 row-major, 6 = fp32 column-major (W^T contiguous), and
@@ -119,9 +121,11 @@ static void attend(const i64 *dims, const float *qkv, const float *kc, const flo
                 p[j] = visible ? dot(q, k + j * H, H) * scale : -INFINITY;
                 if (p[j] > mx) mx = p[j];
             }
+            for (i64 j = lo; j <= qs; j++) p[j] -= mx;
+            cs336_exp(p + lo, qs - lo + 1); /* decode.c's vector e^x */
             float sum = 0.f;
             for (i64 j = lo; j <= qs; j++) {
-                p[j] = p[j] == -INFINITY ? 0.f : expf(p[j] - mx);
+                if (!(j >= pad[b] || j == qs)) p[j] = 0.f; /* not visible */
                 sum += p[j];
             }
             float *o = out + m * N * H + n * H;
@@ -169,12 +173,7 @@ int cs336_layers(const i64 *dims, const i64 *layers, i64 n_layers, float eps, fl
         for (i64 i = 0; i < M * D; i++) x[i] = x[i] + y[i];
         rmsnorm(x, (const float *)L[1], h, M, D, eps);
         linear(L + LAYER_HEAD + 2 * LIN_FIELDS, h, M, D, gu, threads);
-#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
-        for (i64 m = 0; m < M; m++)
-            for (i64 f = 0; f < F; f++) {
-                float z = gu[m * 2 * F + f], u = gu[m * 2 * F + F + f];
-                a[m * F + f] = z / (1.f + expf(-z)) * u;
-            }
+        cs336_silu_mul(gu, M, F, a, threads);
         linear(L + LAYER_HEAD + 3 * LIN_FIELDS, a, M, F, y, threads);
         for (i64 i = 0; i < M * D; i++) x[i] = x[i] + y[i];
     }
