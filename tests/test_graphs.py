@@ -400,6 +400,30 @@ def _native_model(variant: str, fmt: str = "fp32", seed: int = 0) -> Transformer
     return model if fmt == "fp32" else quantize_model(model, fmt, quantize_head=True)
 
 
+def test_the_native_step_profile_splits_a_pass_into_its_phases():
+    """native_step.profile: every phase timed (products, attention, SiLU...), the layers' phases
+    inside the whole pass, and nothing recorded while profiling is off."""
+    from cs336_inference.kernels import build, native_step
+
+    model = _native_model("gqa")
+    ms = native_step.profile(model, T=3, rounds=3, prompt_len=7)
+    assert set(ms) == {*native_step.PHASES, "layers", "pass", "rest"}
+    assert all(ms[name] >= 0 for name in native_step.PHASES), ms
+    assert all(ms[name] > 0 for name in ("qkv", "o", "gateup", "down", "attend")), ms
+    assert 0 < ms["layers"] < 2 * ms["pass"], ms  # medians of separate lists: the sum may pass the whole
+    lib, before, after = (
+        build.library(),
+        torch.zeros(9, dtype=torch.float64),
+        torch.zeros(9, dtype=torch.float64),
+    )
+    lib.cs336_step_profile(0, before.data_ptr())
+    with torch.inference_mode():
+        cache = model.new_cache(1, 16)
+        FixedStep(model, cache, "native", T=2)(torch.zeros(1, 2, dtype=torch.long))
+    lib.cs336_step_profile(0, after.data_ptr())
+    assert torch.equal(before, after), "cs336_layers recorded phases with profiling off"
+
+
 def _native_pair(model, T: int, S: int, label: str):
     """(eager cache, fixed cache, native T-token step, first ids): two caches of 2 rows holding the
     same 7-token prompt, one for the model's cached forward and one for the native step."""

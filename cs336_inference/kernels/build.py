@@ -112,6 +112,8 @@ def _declare(lib: ctypes.CDLL, every: bool = True) -> None:
     lib.cs336_layers.argtypes = [p, p, i64, f32, f32, p, p, p, p, p]
     lib.cs336_layers.restype = ctypes.c_int
     lib.cs336_amx_enable.argtypes, lib.cs336_amx_enable.restype = [i32], ctypes.c_int
+    if every or hasattr(lib, "cs336_step_profile"):
+        lib.cs336_step_profile.argtypes, lib.cs336_step_profile.restype = [i32, p], None
 
 
 def _compiler(cc: str | None = None) -> str:

@@ -205,3 +205,46 @@ class NativeLayers:
         if status != 0:
             raise MemoryError("the native step could not allocate its work buffers")
         return x
+
+
+PHASES = ("norms", "qkv", "rope", "attend", "o", "residual", "gateup", "silu", "down")  # step.c's order
+
+
+@torch.inference_mode()
+def profile(model, T: int, rounds: int = 10, prompt_len: int = 32) -> dict[str, float]:
+    """Milliseconds per native T-token pass against a cache holding a random prompt of `prompt_len`
+    tokens, by phase of `cs336_layers` (PHASES: its products, the norms, rotary with the cache
+    writes, attention, residual adds, SiLU, each summed over the layers), "layers" (the C call
+    whole), "pass" (the whole FixedStep call: embedding, layers, final norm and output matrix) and
+    "rest" (the pass less its phases); medians of `rounds` passes after one untimed."""
+    import statistics
+    import time
+
+    from .graphs import FixedStep
+
+    lib = build.library()
+    if lib is None:
+        raise ValueError("the native step needs the C kernels, which are not built here")
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=g)
+    cache = model.new_cache(1, prompt_len + T + 1)
+    model(prompt, cache=cache)
+    step = FixedStep(model, cache, "native", T)
+    ids = prompt[:, :T]
+    sums = torch.zeros(len(PHASES), dtype=torch.float64)
+    runs: dict[str, list[float]] = {name: [] for name in (*PHASES, "pass")}
+    for r in range(rounds + 1):
+        lib.cs336_step_profile(1, None)
+        start = time.perf_counter()
+        step(ids)
+        seconds = time.perf_counter() - start
+        lib.cs336_step_profile(0, sums.data_ptr())
+        cache.truncate(prompt_len)
+        if r:  # the first pass warms up
+            runs["pass"].append(seconds)
+            for name, s in zip(PHASES, sums.tolist(), strict=True):
+                runs[name].append(s)
+    ms = {name: 1e3 * statistics.median(v) for name, v in runs.items()}
+    ms["layers"] = sum(ms[name] for name in PHASES)
+    ms["rest"] = ms["pass"] - ms["layers"]
+    return ms

@@ -22,6 +22,7 @@
    one torch.tensor call. Compiled with decode.c by kernels/build.py (-ffp-contract=off: every
    multiply and add rounds as in the reference). */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -102,6 +103,34 @@ static void rope(float *x, const float *cos, const float *sin, i64 H) {
 /* out[m, n*H:(n+1)*H] = softmax(q k^T * scale over the visible keys) v for every row m = (b, t) and
    query head n (K/V head n / (N/K)). Visible: step j <= the query's step, inside the window, and not
    left padding (pad[b] > j) unless j is the query's own step (attention.attention_mask). */
+/* one query row against its visible keys lo..qs (p: S scores of scratch, o: H outputs); inlined with
+   H a constant for the common head sizes, so the output row stays in registers across the keys */
+static inline __attribute__((always_inline)) void attend_row(const float *q, const float *k, const float *v, i64 lo,
+                                                             i64 qs, i64 pad, float scale, float *p, float *o,
+                                                             i64 H) {
+    float mx = -INFINITY;
+    for (i64 j = lo; j <= qs; j++) {
+        int visible = j >= pad || j == qs;
+        p[j] = visible ? dot(q, k + j * H, H) * scale : -INFINITY;
+        if (p[j] > mx) mx = p[j];
+    }
+    for (i64 j = lo; j <= qs; j++) p[j] -= mx;
+    cs336_exp(p + lo, qs - lo + 1); /* decode.c's vector e^x */
+    float sum = 0.f;
+    for (i64 j = lo; j <= qs; j++) {
+        if (!(j >= pad || j == qs)) p[j] = 0.f; /* not visible */
+        sum += p[j];
+    }
+    float acc[512]; /* H <= 512 (cs336_layers) */
+    for (i64 h = 0; h < H; h++) acc[h] = 0.f;
+    for (i64 j = lo; j <= qs; j++) {
+        float w = p[j] / sum;
+        const float *vj = v + j * H;
+        for (i64 h = 0; h < H; h++) acc[h] += w * vj[h];
+    }
+    memcpy(o, acc, sizeof(float) * (size_t)H);
+}
+
 static void attend(const i64 *dims, const float *qkv, const float *kc, const float *vc, i64 window,
                    const i64 *steps, const i64 *pad, float scale, float *out) {
     i64 B = dims[0], T = dims[1], N = dims[3], K = dims[4], H = dims[5], S = dims[7];
@@ -115,29 +144,36 @@ static void attend(const i64 *dims, const float *qkv, const float *kc, const flo
             i64 m = task / N, n = task % N, b = m / T, t = m % T, g = n / (N / K), qs = steps[t];
             const float *q = qkv + m * QKV + n * H, *k = kc + (b * K + g) * S * H, *v = vc + (b * K + g) * S * H;
             i64 lo = window > 0 && qs - window + 1 > 0 ? qs - window + 1 : 0;
-            float mx = -INFINITY;
-            for (i64 j = lo; j <= qs; j++) {
-                int visible = j >= pad[b] || j == qs;
-                p[j] = visible ? dot(q, k + j * H, H) * scale : -INFINITY;
-                if (p[j] > mx) mx = p[j];
-            }
-            for (i64 j = lo; j <= qs; j++) p[j] -= mx;
-            cs336_exp(p + lo, qs - lo + 1); /* decode.c's vector e^x */
-            float sum = 0.f;
-            for (i64 j = lo; j <= qs; j++) {
-                if (!(j >= pad[b] || j == qs)) p[j] = 0.f; /* not visible */
-                sum += p[j];
-            }
             float *o = out + m * N * H + n * H;
-            memset(o, 0, sizeof(float) * (size_t)H);
-            for (i64 j = lo; j <= qs; j++) {
-                float w = p[j] / sum;
-                const float *vj = v + j * H;
-                for (i64 h = 0; h < H; h++) o[h] += w * vj[h];
-            }
+            if (H == 64)
+                attend_row(q, k, v, lo, qs, pad[b], scale, p, o, 64);
+            else if (H == 128)
+                attend_row(q, k, v, lo, qs, pad[b], scale, p, o, 128);
+            else
+                attend_row(q, k, v, lo, qs, pad[b], scale, p, o, H);
         }
         free(p);
     }
+}
+
+/* Seconds spent per phase of cs336_layers while profiling is on (cs336_step_profile), summed over
+   calls and layers: what the per-step overhead outside the products is made of. */
+enum { P_NORMS, P_QKV, P_ROPE, P_ATTEND, P_O, P_RESIDUAL, P_GATEUP, P_SILU, P_DOWN, PHASES };
+static int profiling;
+static double phase_seconds[PHASES];
+
+/* on: 1 starts (and zeroes), 0 stops; out (if not NULL): the PHASES sums so far, in enum order */
+void cs336_step_profile(int on, double *out) {
+    if (out) memcpy(out, phase_seconds, sizeof phase_seconds);
+    if (on) memset(phase_seconds, 0, sizeof phase_seconds);
+    profiling = on;
+}
+
+static inline void phase(int k, double *t) {
+    if (!profiling) return;
+    double now = omp_get_wtime();
+    phase_seconds[k] += now - *t;
+    *t = now;
 }
 
 /* x [B*T, D] (updated in place) through every layer; cos, sin [B, T, H] (the rows' rotary angles);
@@ -152,11 +188,14 @@ int cs336_layers(const i64 *dims, const i64 *layers, i64 n_layers, float eps, fl
     float *att = malloc(sizeof(float) * (size_t)(M * N * H)), *gu = malloc(sizeof(float) * (size_t)(M * 2 * F));
     float *a = malloc(sizeof(float) * (size_t)(M * F)), *y = malloc(sizeof(float) * (size_t)(M * D));
     int ok = h && qkv && att && gu && a && y;
+    double t = profiling ? omp_get_wtime() : 0;
     for (i64 l = 0; ok && l < n_layers; l++) {
         const i64 *L = layers + l * LAYER_FIELDS;
         float *kc = (float *)L[2], *vc = (float *)L[3];
         rmsnorm(x, (const float *)L[0], h, M, D, eps);
+        phase(P_NORMS, &t);
         linear(L + LAYER_HEAD, h, M, D, qkv, threads);
+        phase(P_QKV, &t);
         for (i64 m = 0; m < M; m++) {
             i64 b = m / T, t = m % T;
             float *row = qkv + m * QKV;
@@ -168,14 +207,23 @@ int cs336_layers(const i64 *dims, const i64 *layers, i64 n_layers, float eps, fl
                 memcpy(vc + slot, row + (N + K + g) * H, sizeof(float) * (size_t)H);
             }
         }
+        phase(P_ROPE, &t); /* with the cache writes */
         attend(dims, qkv, kc, vc, L[4], steps, pad, scale, att);
+        phase(P_ATTEND, &t);
         linear(L + LAYER_HEAD + LIN_FIELDS, att, M, N * H, y, threads);
+        phase(P_O, &t);
         for (i64 i = 0; i < M * D; i++) x[i] = x[i] + y[i];
+        phase(P_RESIDUAL, &t);
         rmsnorm(x, (const float *)L[1], h, M, D, eps);
+        phase(P_NORMS, &t);
         linear(L + LAYER_HEAD + 2 * LIN_FIELDS, h, M, D, gu, threads);
+        phase(P_GATEUP, &t);
         cs336_silu_mul(gu, M, F, a, threads);
+        phase(P_SILU, &t);
         linear(L + LAYER_HEAD + 3 * LIN_FIELDS, a, M, F, y, threads);
+        phase(P_DOWN, &t);
         for (i64 i = 0; i < M * D; i++) x[i] = x[i] + y[i];
+        phase(P_RESIDUAL, &t);
     }
     free(h), free(qkv), free(att), free(gu), free(a), free(y);
     return ok ? 0 : -1;
