@@ -401,12 +401,13 @@ def _native_model(variant: str, fmt: str = "fp32", seed: int = 0) -> Transformer
 
 
 def test_the_native_step_profile_splits_a_pass_into_its_phases():
-    """native_step.profile: every phase timed (products, attention, SiLU...), the layers' phases
+    """graphs.native_profile: every phase timed (products, attention, SiLU...), the layers' phases
     inside the whole pass, and nothing recorded while profiling is off."""
     from cs336_inference.kernels import build, native_step
+    from cs336_inference.kernels.graphs import native_profile
 
     model = _native_model("gqa")
-    ms = native_step.profile(model, T=3, rounds=3, prompt_len=7)
+    ms = native_profile(model, T=3, rounds=3, prompt_len=7)
     assert set(ms) == {*native_step.PHASES, "layers", "pass", "rest"}
     assert all(ms[name] >= 0 for name in native_step.PHASES), ms
     assert all(ms[name] > 0 for name in ("qkv", "o", "gateup", "down", "attend")), ms

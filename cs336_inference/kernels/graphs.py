@@ -33,6 +33,8 @@ Supported: MHA / GQA / MQA, CLA, and sliding-window layers held in a full static
 
 from __future__ import annotations
 
+import statistics
+import time
 import weakref
 
 import torch
@@ -46,7 +48,7 @@ from ..quantization.linear import PackedWeight
 from . import build, ops
 from .fuse import fuse_siblings
 from .layout import decode_linear, settle
-from .native_step import NativeLayers
+from .native_step import PHASES, NativeLayers
 from .ops import linear_fp32
 
 MODES = ("graph", "compile", "native", "eager")
@@ -338,3 +340,38 @@ def step_stream(
             logits = step(token)
 
     return tokens()
+
+
+@torch.inference_mode()
+def native_profile(model, T: int, rounds: int = 10, prompt_len: int = 32) -> dict[str, float]:
+    """Milliseconds per native T-token pass against a cache holding a random prompt of `prompt_len`
+    tokens, by phase of `cs336_layers` (PHASES: its products, the norms, rotary with the cache
+    writes, attention, residual adds, SiLU, each summed over the layers), "layers" (the C call
+    whole), "pass" (the whole FixedStep call: embedding, layers, final norm and output matrix) and
+    "rest" (the pass less its phases); medians of `rounds` passes after one untimed."""
+    lib = build.library()
+    if lib is None:
+        raise ValueError("the native step needs the C kernels, which are not built here")
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=g)
+    cache = model.new_cache(1, prompt_len + T + 1)
+    model(prompt, cache=cache)
+    step = FixedStep(model, cache, "native", T)
+    ids = prompt[:, :T]
+    sums = torch.zeros(len(PHASES), dtype=torch.float64)
+    runs: dict[str, list[float]] = {name: [] for name in (*PHASES, "pass")}
+    for r in range(rounds + 1):
+        lib.cs336_step_profile(1, None)
+        start = time.perf_counter()
+        step(ids)
+        seconds = time.perf_counter() - start
+        lib.cs336_step_profile(0, sums.data_ptr())
+        cache.truncate(prompt_len)
+        if r:  # the first pass warms up
+            runs["pass"].append(seconds)
+            for name, s in zip(PHASES, sums.tolist(), strict=True):
+                runs[name].append(s)
+    ms = {name: 1e3 * statistics.median(v) for name, v in runs.items()}
+    ms["layers"] = sum(ms[name] for name in PHASES)
+    ms["rest"] = ms["pass"] - ms["layers"]
+    return ms
