@@ -101,6 +101,7 @@ def _declare(lib: ctypes.CDLL, every: bool = True) -> None:
         "cs336_a8": [i32, p, i64, i64, i64, p, p, p, i64, i64, p, p, i32],
         "cs336_exp": [p, i64],
         "cs336_silu_mul": [p, i64, i64, p, i32],
+        "cs336_step_profile": [i32, p],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name) if every else getattr(lib, name, None)
@@ -112,8 +113,6 @@ def _declare(lib: ctypes.CDLL, every: bool = True) -> None:
     lib.cs336_layers.argtypes = [p, p, i64, f32, f32, p, p, p, p, p]
     lib.cs336_layers.restype = ctypes.c_int
     lib.cs336_amx_enable.argtypes, lib.cs336_amx_enable.restype = [i32], ctypes.c_int
-    if every or hasattr(lib, "cs336_step_profile"):
-        lib.cs336_step_profile.argtypes, lib.cs336_step_profile.restype = [i32, p], None
 
 
 def _compiler(cc: str | None = None) -> str:

@@ -346,8 +346,8 @@ def step_stream(
 def native_profile(model, T: int, rounds: int = 10, prompt_len: int = 32) -> dict[str, float]:
     """Milliseconds per native T-token pass against a cache holding a random prompt of `prompt_len`
     tokens, by phase of `cs336_layers` (PHASES: its products, the norms, rotary with the cache
-    writes, attention, residual adds, SiLU, each summed over the layers), "layers" (the C call
-    whole), "pass" (the whole FixedStep call: embedding, layers, final norm and output matrix) and
+    writes, attention, residual adds, SiLU, each summed over the layers), "layers" (the sum of
+    those), "pass" (the whole FixedStep call: embedding, layers, final norm and output matrix) and
     "rest" (the pass less its phases); medians of `rounds` passes after one untimed."""
     lib = build.library()
     if lib is None:

@@ -100,9 +100,6 @@ static void rope(float *x, const float *cos, const float *sin, i64 H) {
     for (i64 i = h2; i < H; i++) x[i] = tmp[i] * cos[i] + tmp[i - h2] * sin[i];
 }
 
-/* out[m, n*H:(n+1)*H] = softmax(q k^T * scale over the visible keys) v for every row m = (b, t) and
-   query head n (K/V head n / (N/K)). Visible: step j <= the query's step, inside the window, and not
-   left padding (pad[b] > j) unless j is the query's own step (attention.attention_mask). */
 /* one query row against its visible keys lo..qs (p: S scores of scratch, o: H outputs); inlined with
    H a constant for the common head sizes, so the output row stays in registers across the keys */
 static inline __attribute__((always_inline)) void attend_row(const float *q, const float *k, const float *v, i64 lo,
@@ -131,6 +128,9 @@ static inline __attribute__((always_inline)) void attend_row(const float *q, con
     memcpy(o, acc, sizeof(float) * (size_t)H);
 }
 
+/* out[m, n*H:(n+1)*H] = softmax(q k^T * scale over the visible keys) v for every row m = (b, t) and
+   query head n (K/V head n / (N/K)). Visible: step j <= the query's step, inside the window, and not
+   left padding (pad[b] > j) unless j is the query's own step (attention.attention_mask). */
 static void attend(const i64 *dims, const float *qkv, const float *kc, const float *vc, i64 window,
                    const i64 *steps, const i64 *pad, float scale, float *out) {
     i64 B = dims[0], T = dims[1], N = dims[3], K = dims[4], H = dims[5], S = dims[7];
