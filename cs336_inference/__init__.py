@@ -1,11 +1,12 @@
 """cs336-inference: how transformer language models are served, from scratch."""
 
-from .checkpoint import load_pretrained, save_pretrained
+from cs336_inference.io.checkpoint import load_pretrained, save_pretrained
+from cs336_inference.io.tokenizer import load_tokenizer
+
 from .config import ConfigError, ModelConfig
 from .kv_cache import KVCache
 from .model import TransformerLM
 from .sampling import generate, naive_generate, stream_generate
-from .tokenizer import load_tokenizer
 
 __all__ = [
     "ConfigError",

@@ -17,8 +17,6 @@ from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from .kernels import MAX_ROWS, decode_linear
-
 _RANDOM_INIT: ContextVar[bool] = ContextVar("random_init", default=True)
 
 
@@ -58,10 +56,6 @@ class Linear(nn.Module):
             nn.init.normal_(self.weight, std=1.0 / math.sqrt(d_in))
 
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
-        if x.numel() <= MAX_ROWS * x.shape[-1]:  # decode: 1..32 rows, a kernel where it measured faster
-            y = decode_linear(self, x)
-            if y is not None:
-                return y
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

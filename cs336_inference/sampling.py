@@ -215,7 +215,7 @@ def cached_steps(
     # END SOLUTION
 
 
-def _prepare(
+def prepare_prompts(
     model, prompt_ids: Prompt, max_new_tokens: int, temperature: float, top_k, top_p
 ) -> tuple[Int[Tensor, "B P"], Int[Tensor, " B"] | None, bool]:
     """Validate arguments and prompts; return left-padded ids, pad (None if no row is padded), single.
@@ -259,7 +259,7 @@ def generate_steps(
     No stopping here (rows keep going after a stop token); generate / stream_generate handle that.
     For one prompt B = 1. Bad arguments raise ValueError here, at the call, not at the first step.
     """
-    ids, pad, _ = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p)
+    ids, pad, _ = prepare_prompts(model, prompt_ids, max_new_tokens, temperature, top_k, top_p)
     return _run_steps(model, ids, pad, int(max_new_tokens), temperature, top_k, top_p, seed, use_cache)
 
 

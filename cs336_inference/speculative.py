@@ -24,7 +24,7 @@ Batch size 1 only (rows of a batch would accept different numbers of tokens).
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -198,6 +198,20 @@ class NGramDraft:
         return torch.tensor(tokens, dtype=torch.long, device=context.device), None
 
 
+class Steps(Protocol):
+    """Runs a model's forwards as fixed-shape steps (what makes a verify pass of k + 1 tokens cost
+    about one decode step on a CPU or GPU). The staff fast path provides one
+    (`cs336_inference.fast.step.fixed.FixedSteps`); nothing here depends on it."""
+
+    def capacity(self, length: int, max_seq_len: int) -> int:
+        """The cache length to allocate for `length` steps."""
+        ...
+
+    def __call__(self, model: TransformerLM, cache: KVCache, T: int) -> Callable[..., Tensor]:
+        """A forward like `model(ids, cache=cache, last_only=...)` for calls of up to T tokens."""
+        ...
+
+
 class ModelDraft:
     """A TransformerLM as the draft, with its own KV cache that it rolls back to the accepted context.
 
@@ -206,9 +220,9 @@ class ModelDraft:
     missing tokens (one forward), then samples k tokens with k - 1 one-token forwards. At temperature
     0 a draft token is the argmax of its logits (what sampling the one-hot p would draw, without
     drawing), and p is returned as None (one-hot).
-    step_mode: as speculative_generate's (staff code): the draft's forwards of 1 and 2 tokens run as
-    fixed-shape steps (`kernels.graphs.FixedShapes`), e.g. compiled, so a small draft's step costs
-    what its products cost rather than its Python and small ops.
+    steps: as speculative_generate's: the draft's forwards of 1 and 2 tokens run as fixed-shape
+    steps (e.g. compiled), so a small draft's step costs what its products cost rather than its
+    Python and small ops.
     share_cache: the draft reads and writes the *target's* cache instead of keeping its own (a draft
     with the target's cache shapes, e.g. the target's own weights quantized, as QSpec does). It then
     never prefills the prompt nor feeds accepted tokens again: each round it runs k one-token forwards
@@ -217,8 +231,8 @@ class ModelDraft:
     the drafts change); acceptance may differ from a draft with its own cache.
     """
 
-    def __init__(self, model: TransformerLM, step_mode: str | None = None, share_cache: bool = False):
-        self.model, self.step_mode, self.share_cache = model, step_mode, share_cache
+    def __init__(self, model: TransformerLM, steps: Steps | None = None, share_cache: bool = False):
+        self.model, self.steps, self.share_cache = model, steps, share_cache
         self.cache: KVCache | None = None
         self.fed: Tensor | None = None  # the tokens the cache holds (own cache only)
         self.forward = model
@@ -230,25 +244,21 @@ class ModelDraft:
     def reset(self, capacity: int, k: int) -> None:
         if self.share_cache:  # `attach` gives it the target's cache
             self.cache = None
-        elif self.step_mode is None:
+        elif self.steps is None:
             self.cache = self.model.new_cache(1, capacity, spare=k + 1)
         else:  # fixed-shape steps of 1 and 2 tokens (a round feeds 1, or 2 after all k were accepted)
-            from .kernels.graphs import FixedShapes, fixed_capacity
-
             self.cache = self.model.new_cache(
-                1, fixed_capacity(capacity + k + 2, self.model.config.max_seq_len)
+                1, self.steps.capacity(capacity + k + 2, self.model.config.max_seq_len)
             )
-            self.forward = FixedShapes(self.model, self.cache, 2, self.step_mode)
+            self.forward = self.steps(self.model, self.cache, 2)
         self.fed = torch.empty(0, dtype=torch.long, device=self.model.embed.weight.device)
 
     def attach(self, cache: KVCache) -> None:
         """share_cache: draft on the target's `cache` from now on (`check_shared_cache` says whether
         the draft may: speculative_generate checks it with its arguments)."""
         self.cache, self.forward = cache, self.model
-        if self.step_mode is not None:
-            from .kernels.graphs import FixedShapes
-
-            self.forward = FixedShapes(self.model, cache, 1, self.step_mode)
+        if self.steps is not None:
+            self.forward = self.steps(self.model, cache, 1)
 
     @torch.inference_mode()
     def propose(self, context: Int[Tensor, " S"], k: int, sampling: Sampling) -> tuple[Tensor, Tensor | None]:
@@ -306,11 +316,11 @@ def check_shared_cache(draft: TransformerLM, target: TransformerLM) -> None:
         )
 
 
-def as_draft(draft, step_mode: str | None = None) -> Draft:
-    """A TransformerLM becomes a ModelDraft (running step_mode's fixed-shape steps); "ngram" an
+def as_draft(draft, steps: Steps | None = None) -> Draft:
+    """A TransformerLM becomes a ModelDraft (running `steps`' fixed-shape steps); "ngram" an
     NGramDraft; anything with propose/reset stays."""
     if isinstance(draft, TransformerLM):
-        return ModelDraft(draft, step_mode)
+        return ModelDraft(draft, steps)
     if isinstance(draft, str) and draft == "ngram":
         return NGramDraft()
     if hasattr(draft, "propose") and hasattr(draft, "reset"):
@@ -417,7 +427,7 @@ def speculative_stream(
     seed: int | None = None,
     stop_token_ids: Sequence[int] | None = None,
     stats: SpeculativeStats | None = None,
-    step_mode: str | None = None,
+    steps: Steps | None = None,
 ) -> Iterator[int]:
     """Yield the new token ids one by one as each round emits them (a stop token is yielded, then it
     ends); `stats`, if given, is filled in as it goes. Arguments are checked at the call."""
@@ -426,26 +436,22 @@ def speculative_stream(
     stats = SpeculativeStats(k=k) if stats is None else stats
     stats.k = k
     sampling = Sampling(temperature, top_k, top_p)
-    drafter = as_draft(draft, step_mode)
-    return _rounds(target, drafter, ids, int(max_new_tokens), k, sampling, seed, stops, stats, step_mode)
+    drafter = as_draft(draft, steps)
+    return _rounds(target, drafter, ids, int(max_new_tokens), k, sampling, seed, stops, stats, steps)
 
 
 @torch.inference_mode()
-def _rounds(
-    target, drafter, ids, max_new_tokens, k, sampling, seed, stops, stats, step_mode
-) -> Iterator[int]:
+def _rounds(target, drafter, ids, max_new_tokens, k, sampling, seed, stops, stats, steps) -> Iterator[int]:
     P, device = len(ids), ids.device
     # a seeded generator reproduces the draws; greedy draws nothing that matters, so keep the global RNG
     if seed is not None or sampling.temperature == 0.0:
         sampling.generator = torch.Generator(device=device).manual_seed(0 if seed is None else seed)
     capacity = P + max_new_tokens
-    if step_mode is None:
+    if steps is None:
         cache = target.new_cache(1, capacity, spare=k)
-    else:  # the target runs fixed-shape steps of 1 and k + 1 tokens (staff code, kernels/graphs.py)
-        from .kernels.graphs import FixedShapes, fixed_capacity
-
-        cache = target.new_cache(1, fixed_capacity(capacity + k, target.config.max_seq_len))
-        target = FixedShapes(target, cache, k + 1, step_mode)
+    else:  # the target runs fixed-shape steps of 1 and k + 1 tokens
+        cache = target.new_cache(1, steps.capacity(capacity + k, target.config.max_seq_len))
+        target = steps(target, cache, k + 1)
     check_rollback(cache, k)
     drafter.reset(capacity, k)
     stats.caches["target"] = cache
@@ -509,7 +515,7 @@ def speculative_generate(
     seed: int | None = None,
     stop_token_ids: Sequence[int] | None = None,
     return_stats: bool = False,
-    step_mode: str | None = None,
+    steps: Steps | None = None,
 ):
     """Generate up to max_new_tokens tokens of one prompt from `target`, drafting k tokens per round.
 
@@ -521,8 +527,8 @@ def speculative_generate(
     ids, ends it and is kept), and with return_stats=True also a SpeculativeStats.
     Raises ValueError for k < 1, a draft with another vocabulary, a batch, or a prompt + k or prompt +
     max_new_tokens past the context window.
-    step_mode: None runs the target's own forward; "compile" (CPU), "graph" (CUDA) or "eager" run it as
-    fixed-shape steps of 1 and k + 1 tokens (`kernels.graphs.FixedShapes`; static caches only), where a
+    steps: None runs the target's own forward; a `Steps` (staff code: `fast.step.fixed.FixedSteps`,
+    compiled, CUDA graph, native or eager) runs it as fixed-shape steps of 1 and k + 1 tokens, where a
     verify pass costs little more than a decode step; a TransformerLM draft then runs fixed-shape
     steps of 1 and 2 tokens the same way.
     """
@@ -539,7 +545,7 @@ def speculative_generate(
         seed,
         stop_token_ids,
         stats,
-        step_mode,
+        steps,
     )
     out = torch.tensor(list(stream), dtype=torch.long, device=target.embed.weight.device)
     return (out, stats) if return_stats else out

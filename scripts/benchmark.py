@@ -6,13 +6,13 @@ chat and a rewrite workload, k = 1..8: alpha, tokens per pass vs the formula, pa
     python scripts/benchmark.py speculative --prompts 1 --max-new-tokens 32 --out runs/spec.json --plot spec.png
 
 `gpu`: on a CUDA GPU, eager vs CUDA-graph decode steps in bf16 / int8 / int4 and transformers, with
-the roofline fraction (cs336_inference/cuda_bench.py).
+the roofline fraction (cs336_inference/bench/gpu.py).
 
     python scripts/benchmark.py gpu --out runs/gpu.json
 
 `kernels`: the kernels at another git revision against the working tree, every product of a SmolLM2
 decode step timed through both builds in turns, per format and number of rows, with whether the
-bits agree (cs336_inference/kernels/compare_builds.py; for kernel changes).
+bits agree (cs336_inference/bench/kernels_ab.py; for kernel changes).
 
     python scripts/benchmark.py kernels --base HEAD~1 --formats int4,q4_0 --rows 1,5,17 --out runs/ab.json
 
@@ -33,7 +33,7 @@ Greedy, batch 1, a 32-token prompt, no early stop, on the CPU: KV-cached vs naiv
 128, 256, 512 new tokens (SmolLM2-135M and a tiny random model), our cached decode vs transformers'
 `generate` on the same weights (skipped without transformers and accelerate), and the fraction of
 the decode roofline (bytes per step / measured read bandwidth) achieved, with a matvec floor and a
-profile of one step. What each measures: cs336_inference/benchmarking.py.
+profile of one step. What each measures: cs336_inference/bench/decode.py.
 
 Every time is the median of --runs runs (default 3) after a warm-up. Results: a table on stdout
 (progress on stderr), JSON with --out.
@@ -48,12 +48,13 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from cs336_inference.bench import decode as bench
+from cs336_inference.fast import install
+from cs336_inference.fast.step.fixed import FixedSteps
+from cs336_inference.io.checkpoint import default_model_path, load_pretrained
+from cs336_inference.model import TransformerLM
 
-from cs336_inference import benchmarking as bench  # noqa: E402
-from cs336_inference.checkpoint import default_model_path, load_pretrained  # noqa: E402
-from cs336_inference.model import TransformerLM  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 PROMPT_LEN = 32
 TARGETS = {"vs_transformers": 1.5, "roofline_fraction": 0.70, "cached_vs_naive_at_512": 10.0}
@@ -91,8 +92,8 @@ def targets(result: dict, largest: int) -> dict:
 
 
 def run_formats(args: argparse.Namespace, model, source: Path, prompt: torch.Tensor) -> dict:
-    """The per-format section (cs336_inference/format_benchmark.py), with transformers if it loads."""
-    from cs336_inference import format_benchmark as fb
+    """The per-format section (cs336_inference/bench/formats.py), with transformers if it loads."""
+    from cs336_inference.bench import formats as fb
 
     hf, why = bench.load_transformers(source)
     if hf is None:
@@ -126,12 +127,12 @@ def check_amx(args: argparse.Namespace) -> None:
         return
     if not args.native:
         raise BenchmarkError("--amx times native steps: add --native")
-    from cs336_inference.kernels import build
+    from cs336_inference.fast.cpu import build
 
     with build.amx_switched_on() as on:
         if not on:
             raise BenchmarkError(
-                "--amx: no AMX tiles on this CPU or in this build of the kernels (kernels/amx.c)"
+                "--amx: no AMX tiles on this CPU or in this build of the kernels (fast/cpu/amx.c)"
             )
 
 
@@ -140,7 +141,7 @@ def run_decode(args: argparse.Namespace) -> dict:
         source = Path(args.model) if args.model else default_model_path()
         if not source.exists():
             raise BenchmarkError(f"--model: no such file or folder: {source}")
-        model = load_pretrained(source, dtype=torch.float32)
+        model = install(load_pretrained(source, dtype=torch.float32))
         prompt = bench.benchmark_prompt(source, model.config.vocab_size, PROMPT_LEN)
         return {"formats": run_formats(args, model, source, prompt)}
     sizes = [16, 32] if args.quick else [64, 128, 256, 512]
@@ -149,11 +150,11 @@ def run_decode(args: argparse.Namespace) -> dict:
     if not source.exists():
         raise BenchmarkError(f"--model: no such file or folder: {source}")
     log(f"loading {source}")
-    model = load_pretrained(source, dtype=torch.float32)
+    model = install(load_pretrained(source, dtype=torch.float32))
     prompt = bench.benchmark_prompt(source, model.config.vocab_size, PROMPT_LEN)
     torch.manual_seed(0)
     models = {"smollm2-135m" if args.model is None else source.name: model}
-    models["tiny"] = TransformerLM(bench.tiny_config()).eval()
+    models["tiny"] = install(TransformerLM(bench.tiny_config()).eval())
     result = bench.decode_benchmark(models, prompt, sizes, vs_n, args.runs, hf_source=source, log=log)
     result["settings"]["quick"] = args.quick
     result["targets"] = targets(result, max(sizes))
@@ -241,9 +242,9 @@ DRAFT_FORMATS = ("int8", "int4", "q8_0", "q4_0", "llm_int8")
 
 
 def run_speculative(args: argparse.Namespace) -> dict:
-    """`speculative`: library code in cs336_inference/spec_bench.py."""
-    from cs336_inference import spec_bench
-    from cs336_inference.tokenizer import load_tokenizer
+    """`speculative`: library code in cs336_inference/bench/speculative.py."""
+    from cs336_inference.bench import speculative as spec_bench
+    from cs336_inference.io.tokenizer import load_tokenizer
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -253,8 +254,9 @@ def run_speculative(args: argparse.Namespace) -> dict:
     if args.compiled and args.native:
         raise BenchmarkError("--compiled and --native: choose one way to run the fixed-shape steps")
     step_mode = "native" if args.native else "compile" if args.compiled else None
+    steps = None if step_mode is None else FixedSteps(step_mode)
     source = Path(args.model) if args.model else default_model_path()
-    target = load_pretrained(source)
+    target = install(load_pretrained(source))
     tokenizer = load_tokenizer(source)
     drafts: dict = {}
     quantized: dict = {}  # one quantized copy per format, shared by its own-cache and shared-cache drafts
@@ -267,10 +269,8 @@ def run_speculative(args: argparse.Namespace) -> dict:
             from cs336_inference.speculative import ModelDraft
 
             if fmt not in quantized:
-                quantized[fmt] = quantize_model(load_pretrained(source), fmt, quantize_head=True)
-            drafts[name] = (
-                ModelDraft(quantized[fmt], step_mode, share_cache=True) if shared else quantized[fmt]
-            )
+                quantized[fmt] = install(quantize_model(load_pretrained(source), fmt, quantize_head=True))
+            drafts[name] = ModelDraft(quantized[fmt], steps, share_cache=True) if shared else quantized[fmt]
         else:
             raise BenchmarkError(
                 f"--drafts: unknown draft {name!r} (ngram, {', '.join(DRAFT_FORMATS)}, each also as FMT-shared)"
@@ -297,7 +297,7 @@ def run_speculative(args: argparse.Namespace) -> dict:
 
 
 def run_gpu(args: argparse.Namespace) -> dict:
-    from cs336_inference import cuda_bench
+    from cs336_inference.bench import gpu as cuda_bench
 
     if not torch.cuda.is_available():
         raise BenchmarkError("benchmark.py gpu needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -318,15 +318,15 @@ def run_gpu(args: argparse.Namespace) -> dict:
 
 def run_serve(args: argparse.Namespace) -> int:
     """`gpu`: on a CUDA GPU, eager vs CUDA-graph decode steps in bf16 / int8 / int4 and transformers, with
-    the roofline fraction (cs336_inference/cuda_bench.py).
+    the roofline fraction (cs336_inference/bench/gpu.py).
 
         python scripts/benchmark.py gpu --out runs/gpu.json
 
-    `serve`: static vs continuous batching (library: cs336_inference.serving.workload)."""
+    `serve`: static vs continuous batching (library: cs336_inference.bench.serving)."""
     import os
     import platform
 
-    from cs336_inference.serving import workload
+    from cs336_inference.bench import serving as workload
 
     try:
         rates = [float(x) for x in args.rates.split(",")]
@@ -337,7 +337,7 @@ def run_serve(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     source = Path(args.model) if args.model else default_model_path()
     log(f"loading {source}")
-    model = load_pretrained(source, dtype=torch.float32).eval()
+    model = install(load_pretrained(source, dtype=torch.float32).eval())
     shape = dict(
         prompt_median=args.prompt_median, output_median=args.output_median, max_prompt=args.max_len,
         max_output=args.max_len, system_prompt_len=args.system_prompt, shared_fraction=args.shared_fraction,
@@ -372,7 +372,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_kernels(args: argparse.Namespace) -> dict:
-    from cs336_inference.kernels import build, compare_builds
+    from cs336_inference.bench import kernels_ab as compare_builds
+    from cs336_inference.fast.cpu import build
 
     if build.library() is None:
         raise BenchmarkError("the kernels could not be built here (or CS336_KERNELS=0): nothing to compare")
@@ -383,9 +384,9 @@ def run_kernels(args: argparse.Namespace) -> dict:
     except ValueError:
         raise BenchmarkError(f"--rows takes numbers separated by commas, got {args.rows!r}") from None
     if args.passes:  # whole native T-token passes of SmolLM2, T = the --rows values
-        from cs336_inference.checkpoint import default_model_path, load_pretrained
+        from cs336_inference.io.checkpoint import default_model_path, load_pretrained
 
-        model = load_pretrained(default_model_path())
+        model = install(load_pretrained(default_model_path()))
         result = compare_builds.compare_passes(
             args.base, model, args.formats.split(","), rows, args.rounds, log=log
         )
@@ -440,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         "--amx",
         action="store_true",
         help="with --native: also time int8 and int4 with their products on Intel AMX tiles "
-        "(kernels/amx.c; CS336_KERNELS_AMX=1 turns that on for everything)",
+        "(fast/cpu/amx.c; CS336_KERNELS_AMX=1 turns that on for everything)",
     )
     ker = sub.add_parser(
         "kernels", help="the kernels at another git revision against the working tree, in turns"

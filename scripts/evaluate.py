@@ -20,13 +20,10 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from cs336_inference import evaluation  # noqa: E402
-from cs336_inference.checkpoint import CheckpointError, default_model_path, load_pretrained  # noqa: E402
-from cs336_inference.quantization import METHODS  # noqa: E402
-from cs336_inference.tokenizer import load_tokenizer  # noqa: E402
+from cs336_inference import evaluation
+from cs336_inference.io.checkpoint import CheckpointError, default_model_path, load_pretrained
+from cs336_inference.io.tokenizer import load_tokenizer
+from cs336_inference.quantization import METHODS
 
 
 def parse_methods(text: str) -> list[str]:

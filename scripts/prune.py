@@ -21,14 +21,16 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from cs336_inference import evaluation  # noqa: E402
-from cs336_inference.checkpoint import CheckpointError, default_model_path, load_pretrained, save_pretrained  # noqa: E402
-from cs336_inference.distill import distill, split_topics, token_windows  # noqa: E402
-from cs336_inference.pruning import importance_scores, prune  # noqa: E402
-from cs336_inference.tokenizer import load_tokenizer  # noqa: E402
+from cs336_inference import evaluation
+from cs336_inference.distill import distill, split_topics, token_windows
+from cs336_inference.io.checkpoint import (
+    CheckpointError,
+    default_model_path,
+    load_pretrained,
+    save_pretrained,
+)
+from cs336_inference.io.tokenizer import load_tokenizer
+from cs336_inference.pruning import importance_scores, prune
 
 
 def parse_args(argv):

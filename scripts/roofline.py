@@ -3,7 +3,7 @@
 Measures the read bandwidth (a working set well beyond the last-level cache, and one the size of the
 model) and the matmul FLOP/s (fp32, bf16). Then, for matmuls [B*T, D] x [D, F] with B*T = 1..1024
 and for real decode steps of a model at several batch sizes, it compares the measured time with the
-roofline prediction max(FLOPs / peak, bytes / bandwidth) (cs336_inference/roofline.py), prints a
+roofline prediction max(FLOPs / peak, bytes / bandwidth) (cs336_inference/bench/roofline.py), prints a
 table, writes roofline.json and draws roofline.png (log-log: the bandwidth slope, the compute roof,
 the measured points). Float32 on a CPU, bfloat16 on a GPU.
 
@@ -22,11 +22,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cs336_inference import accounting as acc  # noqa: E402
-from cs336_inference import roofline as rl  # noqa: E402
-from cs336_inference.checkpoint import default_model_path, load_pretrained  # noqa: E402
+from cs336_inference import accounting as acc
+from cs336_inference.bench import roofline as rl
+from cs336_inference.io.checkpoint import default_model_path, load_pretrained
 
 MiB = rl.MiB
 

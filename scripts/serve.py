@@ -16,9 +16,6 @@ import argparse
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -34,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (default 512)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share prompt-prefix blocks")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--eager", action="store_true", help="the readable PyTorch layers, not the kernels")
     args = p.parse_args(argv)
     for name in ("num_blocks", "block_size", "max_batch_seqs", "max_batch_tokens"):
         if getattr(args, name) < 1:
@@ -50,10 +48,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from cs336_inference.checkpoint import default_model_path, load_pretrained
+    from cs336_inference.io.checkpoint import default_model_path, load_pretrained
+    from cs336_inference.io.sources import CheckpointError
+    from cs336_inference.io.tokenizer import load_tokenizer
     from cs336_inference.serving import LLMEngine
-    from cs336_inference.sources import CheckpointError
-    from cs336_inference.tokenizer import load_tokenizer
 
     try:
         source = args.model or default_model_path()
@@ -62,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, OSError, ValueError) as e:
         print(f"serve.py: {e}", file=sys.stderr)
         return 2
+    if not args.eager:
+        from cs336_inference.fast import install
+
+        install(model)  # the products through the kernels (the same function; --eager: the readable one)
     name = args.name or Path(str(source).rstrip("/")).name.split(".")[0]
     engine = LLMEngine(
         model,
@@ -71,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         max_batch_seqs=args.max_batch_seqs,
         prefix_caching=not args.no_prefix_caching,
     )
-    print(f"serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    path = "eager (readable PyTorch)" if args.eager else "fast path (kernels installed)"
+    print(f"serving {name!r} on http://{args.host}:{args.port}/v1; {path}", file=sys.stderr)
     uvicorn.run(create_app(engine, tokenizer, name), host=args.host, port=args.port, log_level="info")
     return 0
 

@@ -1,7 +1,13 @@
 """Shared pytest setup: one torch thread, CUDA skips, and the grading plugin (graded markers, isolation)."""
 
+import os
+
 import pytest
 import torch
+
+# The fp32 product plans (fast/autotune.py) are measured in each test process, never read from or
+# written to the user's plans file.
+os.environ["CS336_AUTOTUNE_CACHE"] = "0"
 
 # The grading plugin: checks the `graded` markers; `--submission DIR` grades DIR problem by problem.
 pytest_plugins = ("cs336_grading.plugin",)
@@ -24,7 +30,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def march(request, monkeypatch):
     """The kernels built for an AVX2 CPU (8 lanes) or plain x86-64 (4 lanes, no intrinsics), on
     whatever CPU runs the tests; the normal build again afterwards (tests/test_kernels.py, test_a8.py)."""
-    from cs336_inference.kernels import build
+    from cs336_inference.fast.cpu import build
 
     monkeypatch.delenv("CS336_KERNELS", raising=False)
     monkeypatch.setenv("CS336_KERNELS_MARCH", request.param)

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import quantize as gguf_quantize
 
-from cs336_inference import kernels
-from cs336_inference.kernels import build
+from cs336_inference.fast import cpu as kernels
+from cs336_inference.fast import install
+from cs336_inference.fast.cpu import build
 from cs336_inference.quantization import QuantizedLinear, quantize_model
 from cs336_inference.quantization.a8 import a8_linear, quantize_activations
 
@@ -42,7 +43,8 @@ def a8_layer(fmt, d_out, d_in, group_size, bias=True):
     g = torch.Generator().manual_seed(d_out * 1000 + d_in)
     w = torch.randn(d_out, d_in, generator=g)
     b = torch.randn(d_out, generator=g) if bias else None
-    return QuantizedLinear.from_weight(w, fmt, group_size=group_size, bias=b, activations="q8_0")
+    layer = QuantizedLinear.from_weight(w, fmt, group_size=group_size, bias=b, activations="q8_0")
+    return install(layer)  # the kernels' path (the readable one is a8_linear)
 
 
 def rows(M, d_in, layout, seed=0):

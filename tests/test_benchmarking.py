@@ -1,4 +1,4 @@
-"""cs336_inference.benchmarking and scripts/benchmark.py's report, on a tiny random model (seconds)."""
+"""cs336_inference.bench.decode and scripts/benchmark.py's report, on a tiny random model (seconds)."""
 
 import importlib.util
 import json
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cs336_inference import accounting as acc
-from cs336_inference import benchmarking as bench
+from cs336_inference.bench import decode as bench
 from cs336_inference.config import ModelConfig
 from cs336_inference.model import TransformerLM
 
@@ -54,8 +54,8 @@ def test_decode_benchmark_on_a_tiny_model():
 
 
 def test_format_benchmark_adds_amx_rows_and_leaves_amx_off_afterwards():
-    from cs336_inference import format_benchmark as fb
-    from cs336_inference.kernels import build
+    from cs336_inference.bench import formats as fb
+    from cs336_inference.fast.cpu import build
 
     model, prompt = _one_layer_model_with_kernels()
     lib = build.library()
@@ -102,7 +102,7 @@ def test_a_prompt_longer_than_the_window_is_one_clear_error():
 
 
 def test_format_benchmark_on_a_tiny_model(tmp_path):
-    from cs336_inference import format_benchmark as fb
+    from cs336_inference.bench import formats as fb
 
     cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
     torch.manual_seed(0)
@@ -125,7 +125,7 @@ def test_format_benchmark_on_a_tiny_model(tmp_path):
 
 
 def _one_layer_model_with_kernels() -> tuple[TransformerLM, torch.Tensor]:
-    from cs336_inference.kernels import build
+    from cs336_inference.fast.cpu import build
 
     if build.library() is None:
         pytest.skip("the C kernels are not built here")
@@ -135,7 +135,7 @@ def _one_layer_model_with_kernels() -> tuple[TransformerLM, torch.Tensor]:
 
 
 def test_format_benchmark_adds_a_compiled_row_per_format():
-    from cs336_inference import format_benchmark as fb
+    from cs336_inference.bench import formats as fb
 
     model, prompt = _one_layer_model_with_kernels()
     r = fb.format_benchmark(model, prompt, ["fp32"], new_tokens=2, rounds=1, llama_cpp=False, compiled=True)
@@ -145,7 +145,7 @@ def test_format_benchmark_adds_a_compiled_row_per_format():
 
 
 def test_format_benchmark_adds_native_rows_and_their_t_token_costs(tmp_path):
-    from cs336_inference import format_benchmark as fb
+    from cs336_inference.bench import formats as fb
 
     model, prompt = _one_layer_model_with_kernels()
     formats = ["fp32", "int8", "q4_0_a8"]
@@ -173,8 +173,8 @@ def test_fma_rate_is_the_machines_arithmetic_roof():
     """decode.c's register-only fma loop against torch's matmul, timed independently: no real
     computation beats the roof, and a roof off by the vector width (16 lanes) is far from
     any BLAS (MKL's fp32 matmul ran at 0.8x of it on an Intel Xeon, 0.4x on an AMD EPYC)."""
-    from cs336_inference.kernels import build, ops
-    from cs336_inference.timing import matmul_flops_per_second
+    from cs336_inference.bench.timing import matmul_flops_per_second
+    from cs336_inference.fast.cpu import build, ops
 
     if build.library() is None:
         pytest.skip("the C kernels are not built here")
@@ -189,7 +189,7 @@ def _kernel_sources_match_head() -> bool:
     """Whether the kernel sources in the working tree are HEAD's (false outside a git checkout)."""
     import subprocess
 
-    from cs336_inference.kernels import build
+    from cs336_inference.fast.cpu import build
 
     names = [str(p.relative_to(ROOT)) for p in build.SOURCES]
     try:
@@ -202,7 +202,8 @@ def _kernel_sources_match_head() -> bool:
 
 
 def test_comparing_kernel_builds_times_both_and_says_whether_their_bits_agree():
-    from cs336_inference.kernels import build, compare_builds
+    from cs336_inference.bench import kernels_ab as compare_builds
+    from cs336_inference.fast.cpu import build
 
     if build.library() is None or not _kernel_sources_match_head():
         pytest.skip("needs the kernels built and their sources unchanged from HEAD")
@@ -219,7 +220,8 @@ def test_comparing_kernel_builds_times_both_and_says_whether_their_bits_agree():
 
 
 def test_comparing_kernel_builds_on_native_passes_times_both_per_t():
-    from cs336_inference.kernels import build, compare_builds
+    from cs336_inference.bench import kernels_ab as compare_builds
+    from cs336_inference.fast.cpu import build
 
     if build.library() is None or not _kernel_sources_match_head():
         pytest.skip("needs the kernels built and their sources unchanged from HEAD")
@@ -243,7 +245,7 @@ def run_script(argv: list[str]) -> int:
 
 
 def test_comparing_kernel_builds_refuses_a_bad_revision_in_one_line(capsys):
-    from cs336_inference.kernels import build
+    from cs336_inference.fast.cpu import build
 
     if build.library() is None:
         pytest.skip("the kernels could not be built here")

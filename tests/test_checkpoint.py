@@ -8,9 +8,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cs336_inference import checkpoint
-from cs336_inference.checkpoint import CheckpointError, default_model_path, load_pretrained, save_pretrained
 from cs336_inference.config import ConfigError, ModelConfig
+from cs336_inference.io import checkpoint
+from cs336_inference.io.checkpoint import (
+    CheckpointError,
+    default_model_path,
+    load_pretrained,
+    save_pretrained,
+)
 from cs336_inference.model import TransformerLM
 
 TINY = dict(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)

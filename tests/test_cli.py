@@ -15,7 +15,16 @@ SCRIPT = REPO / "scripts" / "generate.py"
 FAST = ["--threads", "1"]
 
 
-def run_cli(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module", autouse=True)
+def built_kernels():
+    """Build the C kernels once in this process (cached on disk), so that no CLI run below waits for
+    a cold build (tens of seconds on a busy 2-core machine)."""
+    from cs336_inference.fast.cpu import build
+
+    build.library()
+
+
+def run_cli(*args: str, stdin: str | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args],
@@ -48,8 +57,8 @@ def run_cli(*args: str, stdin: str | None = None, timeout: float = 120) -> subpr
         (["--draft-shares-cache"], "--draft-shares-cache"),
         (["--draft", "ngram", "--draft-shares-cache"], "--draft-shares-cache"),
         (["--compile"], "--compile"),
-        (["--native", "--no-cache"], "--native"),
-        (["--native", "--draft", "ngram", "--compile"], "--native"),
+        (["--eager", "--draft", "ngram", "--compile"], "--compile"),
+        (["--speculate-k", "3"], "--speculate-k"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, option, tmp_path):
@@ -71,8 +80,8 @@ def test_missing_or_empty_prompt_exits_2():
 def tiny_checkpoint(tmp_path_factory):
     """A random 2-layer model saved with save_pretrained, plus a word-level tokenizer.json (w0 .. w126)."""
     tokenizers = pytest.importorskip("tokenizers")
-    from cs336_inference.checkpoint import save_pretrained
     from cs336_inference.config import ModelConfig
+    from cs336_inference.io.checkpoint import save_pretrained
     from cs336_inference.model import TransformerLM
 
     folder = tmp_path_factory.mktemp("tiny")
@@ -103,7 +112,7 @@ def test_prompt_longer_than_the_context_window_exits_2(tiny_checkpoint):
 
 
 def test_json_tokens_equal_the_library_and_the_naive_sampler(tiny_checkpoint):
-    from cs336_inference.checkpoint import load_pretrained
+    from cs336_inference.io.checkpoint import load_pretrained
     from cs336_inference.sampling import generate
 
     prompt = words(10)
@@ -119,20 +128,30 @@ def test_json_tokens_equal_the_library_and_the_naive_sampler(tiny_checkpoint):
     assert not out_naive["use_cache"] and out["ttft_s"] > 0 and out["decode_tokens_per_s"] > 0
 
 
-def test_native_steps_give_the_same_tokens_greedy_and_sampled(tiny_checkpoint):
-    from cs336_inference.kernels import build
+def test_the_default_fast_path_gives_the_eager_tokens_greedy_and_sampled(tiny_checkpoint):
+    """The default run is the fast path (native steps where the kernels are built) and says so; --eager
+    runs the readable model; both give the same tokens, greedy and sampled with a seed."""
+    from cs336_inference.fast.cpu import build
 
-    if build.library() is None:
-        pytest.skip("the C kernels are not built here (CS336_KERNELS=0 or no compiler)")
     args = ["--model", str(tiny_checkpoint), "--raw", "--json", "--max-new-tokens", "12", *FAST, words(10)]
     sampled = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "3"]
-    runs = [run_cli(*extra, *args) for extra in ([], ["--native"], sampled, [*sampled, "--native"])]
+    runs = [run_cli(*extra, *args) for extra in (["--eager"], [], [*sampled, "--eager"], sampled)]
     for r in runs:
         assert r.returncode == 0, r.stderr
-    greedy, greedy_native, draws, draws_native = (json.loads(r.stdout)["token_ids"] for r in runs)
-    assert greedy_native == greedy, "--native changed the greedy tokens"
-    assert draws_native == draws, "--native changed the sampled tokens (same seed)"
+    greedy, greedy_fast, draws, draws_fast = (json.loads(r.stdout)["token_ids"] for r in runs)
+    assert greedy_fast == greedy, "the fast path changed the greedy tokens"
+    assert draws_fast == draws, "the fast path changed the sampled tokens (same seed)"
     assert draws != greedy, "the sampled run should differ from greedy (else it checks nothing)"
+    assert json.loads(runs[0].stdout)["path"] == "eager (readable PyTorch)"
+    expected = "fast path: native steps" if build.library() is not None else "fast path: kernels"
+    assert json.loads(runs[1].stdout)["path"] == expected
+
+
+def test_help_shows_the_defaults():
+    result = run_cli("--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "default: 256" in text and "--eager" in text, text
 
 
 def test_speculative_draft_gives_the_same_tokens_and_reports_alpha(tiny_checkpoint):
@@ -141,13 +160,11 @@ def test_speculative_draft_gives_the_same_tokens_and_reports_alpha(tiny_checkpoi
     plain = run_cli(*args, "--json", prompt)
     ngram = run_cli(*args, "--json", "--draft", "ngram", "--speculate-k", "3", prompt)
     model_draft = run_cli(*args, "--draft", str(tiny_checkpoint), "--speculate-k", "2", prompt)  # text mode
-    compiled = run_cli(*args, "--json", "--draft", "ngram", "--speculate-k", "3", "--compile", prompt)
     shared = run_cli(*args, "--json", "--draft", "int8", "--draft-shares-cache", "--speculate-k", "2", prompt)
-    for r in (plain, ngram, model_draft, compiled, shared):
+    for r in (plain, ngram, model_draft, shared):
         assert r.returncode == 0, r.stderr
     out, spec = json.loads(plain.stdout), json.loads(ngram.stdout)
     assert spec["token_ids"] == out["token_ids"], "greedy speculative output must equal plain greedy"
-    assert json.loads(compiled.stdout)["token_ids"] == out["token_ids"], "--compile changed the tokens"
     shared = json.loads(shared.stdout)  # the model's int8 weights drafting on its own cache
     assert shared["token_ids"] == out["token_ids"] and shared["speculative"]["draft"] == "int8"
     s = spec["speculative"]
@@ -182,6 +199,17 @@ def test_sampling_is_reproducible_with_a_seed(tiny_checkpoint):
     assert first["token_ids"] != greedy["token_ids"]  # it really sampled
 
 
+@pytest.mark.slow  # torch.compile of the target's steps: minutes cold on 2 cores
+def test_compiled_speculative_target_gives_the_same_tokens(tiny_checkpoint):
+    prompt = words(10) + " " + words(10)
+    args = ["--model", str(tiny_checkpoint), "--raw", "--max-new-tokens", "12", "--json", *FAST]
+    plain = run_cli(*args, "--eager", prompt)
+    compiled = run_cli(*args, "--draft", "ngram", "--speculate-k", "3", "--compile", prompt)
+    assert plain.returncode == 0 and compiled.returncode == 0, plain.stderr + compiled.stderr
+    assert json.loads(compiled.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+    assert json.loads(compiled.stdout)["path"] == "fast path: compiled steps"
+
+
 def test_max_new_tokens_is_lowered_to_fit_the_window(tiny_checkpoint):
     result = run_cli("--model", str(tiny_checkpoint), "--raw", "--max-new-tokens", "500", *FAST, words(10))
     assert result.returncode == 0, result.stderr
@@ -192,7 +220,7 @@ def test_max_new_tokens_is_lowered_to_fit_the_window(tiny_checkpoint):
 
 def test_capital_of_france_is_paris():
     """The real default model (SmolLM2-135M-Instruct), chat template, greedy."""
-    from cs336_inference.checkpoint import CheckpointError, default_model_path
+    from cs336_inference.io.checkpoint import CheckpointError, default_model_path
 
     try:
         default_model_path()

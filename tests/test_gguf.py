@@ -12,9 +12,9 @@ from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from cs336_inference import gguf_io
-from cs336_inference.checkpoint import CheckpointError, default_model_path, load_pretrained
 from cs336_inference.config import ModelConfig
+from cs336_inference.io import gguf_read as gguf_io
+from cs336_inference.io.checkpoint import CheckpointError, default_model_path, load_pretrained
 from cs336_inference.model import TransformerLM
 
 BLOCK_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1]
@@ -255,7 +255,7 @@ def smollm2():
 
     logging.disable_progress_bar()
 
-    from cs336_inference.tokenizer import load_tokenizer
+    from cs336_inference.io.tokenizer import load_tokenizer
 
     ours = load_pretrained(path)
     # transformers' own GGUF path (config mapping, gguf's dequantizer, its Q/K un-permutation). This is
@@ -309,7 +309,7 @@ def test_llama_cpp_decodes_our_f32_export_into_our_tokens(tmp_path):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional)")
     from llama_cpp import Llama
 
-    from cs336_inference.checkpoint import save_gguf
+    from cs336_inference.io.gguf_write import save_gguf
     from cs336_inference.sampling import generate
 
     try:
@@ -319,7 +319,7 @@ def test_llama_cpp_decodes_our_f32_export_into_our_tokens(tmp_path):
     ours = load_pretrained(source)
     save_gguf(ours, tmp_path / "f32.gguf", qtype="f32", source=source)
     llm = Llama(str(tmp_path / "f32.gguf"), n_ctx=128, n_threads=torch.get_num_threads(), verbose=False)
-    from cs336_inference.tokenizer import load_tokenizer
+    from cs336_inference.io.tokenizer import load_tokenizer
 
     prompt = load_tokenizer(source).encode("The three largest cities of France are", add_special_tokens=False)
     llm.eval(prompt)

@@ -11,8 +11,9 @@ from gguf import GGUFReader, GGUFWriter
 from gguf.quants import quantize as gguf_quantize
 
 from cs336_inference import ModelConfig, TransformerLM
-from cs336_inference.checkpoint import load_pretrained, save_gguf
-from cs336_inference.gguf_io import unpermute_qk
+from cs336_inference.io.checkpoint import load_pretrained
+from cs336_inference.io.gguf_read import unpermute_qk
+from cs336_inference.io.gguf_write import save_gguf
 from cs336_inference.quantization import quantize_model
 
 TINY = dict(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
@@ -156,7 +157,7 @@ def test_export_errors(tmp_path):
 def test_smollm2_q8_0_export_round_trip(tmp_path):
     """The real model: quantize to Q8_0, export with its tokenizer, reload: same logits, same tokens."""
     from cs336_inference import load_tokenizer
-    from cs336_inference.checkpoint import CheckpointError, default_model_path
+    from cs336_inference.io.checkpoint import CheckpointError, default_model_path
 
     try:
         source = default_model_path()

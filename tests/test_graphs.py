@@ -1,4 +1,4 @@
-"""The fixed-shape decode step (kernels/graphs.py) equals the cached forward; on CUDA, its graph too.
+"""The fixed-shape decode step (fast/step/fixed.py) equals the cached forward; on CUDA, its graph too.
 
 Independent property: `model(token, cache=cache)` (the eager step, attending over exactly the
 written keys) against the fixed-shape step (attending over the whole preallocated cache with the
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cs336_inference.config import FULL, SLIDING, ModelConfig
-from cs336_inference.kernels.graphs import FixedStep, graph_generate
+from cs336_inference.fast.step.fixed import FixedStep, FixedSteps, graph_generate
 from cs336_inference.model import TransformerLM
 from cs336_inference.sampling import generate
 
@@ -142,7 +142,7 @@ def test_a_fixed_shape_step_of_t_tokens_equals_the_cached_forward(variant):
 @pytest.mark.parametrize("variant", ["mha", "gqa", "mqa", "cla"])
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_speculative_decoding_through_fixed_shape_steps_is_greedy_generate(variant, k):
-    """step_mode runs the target's verify passes as one padded (k+1)-token step: same tokens, and the
+    """steps runs the target's verify passes as one padded (k+1)-token step: same tokens, and the
     cache, rolled back and overwritten, holds exactly the accepted tokens at the end."""
     from cs336_inference.speculative import speculative_generate
 
@@ -151,7 +151,7 @@ def test_speculative_decoding_through_fixed_shape_steps_is_greedy_generate(varia
     prompt = torch.cat([base, base, base[:4]])  # repeats: prompt lookup proposes, and is often right
     expected = generate(model, prompt, 30, stop_token_ids=[])
     got, stats = speculative_generate(
-        model, "ngram", prompt, 30, k=k, stop_token_ids=[], return_stats=True, step_mode="eager"
+        model, "ngram", prompt, 30, k=k, stop_token_ids=[], return_stats=True, steps=FixedSteps("eager")
     )
     assert got.tolist() == expected.tolist(), f"{variant} k={k}"
     assert stats.target_passes < 30 and stats.accepted > 0
@@ -179,14 +179,14 @@ def test_sampled_speculative_decoding_through_fixed_steps_draws_what_the_eager_t
     prompt = torch.cat([base, base])
     settings = dict(k=3, temperature=1.0, top_p=0.9, seed=7, stop_token_ids=[])
     expected = speculative_generate(model, "ngram", prompt, 30, **settings)
-    got = speculative_generate(model, "ngram", prompt, 30, step_mode="eager", **settings)
+    got = speculative_generate(model, "ngram", prompt, 30, steps=FixedSteps("eager"), **settings)
     assert got.tolist() == expected.tolist()
 
 
 @pytest.mark.parametrize("mode", ["compile", "native"])
 def test_compiled_speculative_decoding_is_greedy_generate(mode):
     """The compiled (or native) 1- and (k+1)-token steps (CPU) give greedy generate's tokens."""
-    from cs336_inference.kernels import build
+    from cs336_inference.fast.cpu import build
     from cs336_inference.speculative import speculative_generate
 
     if build.library() is None:
@@ -196,16 +196,16 @@ def test_compiled_speculative_decoding_is_greedy_generate(mode):
     prompt = torch.cat([base, base, base[:4]])
     expected = generate(model, prompt, 30, stop_token_ids=[])
     got, stats = speculative_generate(
-        model, "ngram", prompt, 30, k=3, stop_token_ids=[], return_stats=True, step_mode=mode
+        model, "ngram", prompt, 30, k=3, stop_token_ids=[], return_stats=True, steps=FixedSteps(mode)
     )
     assert got.tolist() == expected.tolist() and stats.accepted > 0
 
 
 @pytest.mark.parametrize("mode", ["eager", "compile", "native"])
 def test_a_model_draft_in_fixed_shape_steps_gives_greedy_generate(mode):
-    """With step_mode, a TransformerLM draft runs fixed-shape steps of 1 and 2 tokens on its own cache:
+    """With steps, a TransformerLM draft runs fixed-shape steps of 1 and 2 tokens on its own cache:
     the target's greedy tokens, and the draft's cache holds the tokens it was fed (a fresh prefill's)."""
-    from cs336_inference.kernels import build
+    from cs336_inference.fast.cpu import build
     from cs336_inference.speculative import ModelDraft, speculative_generate
 
     if mode != "eager" and build.library() is None:
@@ -218,9 +218,9 @@ def test_a_model_draft_in_fixed_shape_steps_gives_greedy_generate(mode):
     prompt = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(5))
     expected = generate(target, prompt, 24, stop_token_ids=[])
     for k in (1, 3):
-        drafter = ModelDraft(draft, mode) if k == 3 else draft  # a bare model takes step_mode too
+        drafter = ModelDraft(draft, FixedSteps(mode)) if k == 3 else draft  # a bare model takes steps too
         got, stats = speculative_generate(
-            target, drafter, prompt, 24, k=k, stop_token_ids=[], return_stats=True, step_mode=mode
+            target, drafter, prompt, 24, k=k, stop_token_ids=[], return_stats=True, steps=FixedSteps(mode)
         )
         assert got.tolist() == expected.tolist(), f"{mode} k={k}"
         assert stats.accepted > 0 and stats.rejected > 0, (
@@ -240,9 +240,9 @@ def test_a_model_draft_in_fixed_shape_steps_gives_greedy_generate(mode):
 
 @pytest.mark.parametrize("mode", ["eager", "compile", "native"])
 def test_a_draft_sharing_the_targets_cache_in_fixed_shape_steps_gives_greedy_generate(mode):
-    """share_cache with step_mode: the draft runs one-token fixed-shape steps on the target's cache
+    """share_cache with steps: the draft runs one-token fixed-shape steps on the target's cache
     (no cache of its own): the target's greedy tokens; the target itself as the draft never misses."""
-    from cs336_inference.kernels import build
+    from cs336_inference.fast.cpu import build
     from cs336_inference.speculative import ModelDraft, speculative_generate
 
     if mode != "eager" and build.library() is None:
@@ -256,8 +256,8 @@ def test_a_draft_sharing_the_targets_cache_in_fixed_shape_steps_gives_greedy_gen
     expected = generate(target, prompt, 24, stop_token_ids=[])
     for name, model in (("perturbed", draft), ("target", target)):
         got, stats = speculative_generate(
-            target, ModelDraft(model, mode, share_cache=True), prompt, 24, k=3, stop_token_ids=[],
-            return_stats=True, step_mode=mode,
+            target, ModelDraft(model, FixedSteps(mode), share_cache=True), prompt, 24, k=3, stop_token_ids=[],
+            return_stats=True, steps=FixedSteps(mode),
         )  # fmt: skip
         assert got.tolist() == expected.tolist(), f"{mode}, {name} draft"
         assert stats.caches["draft"] is stats.caches["target"]
@@ -269,7 +269,7 @@ def test_speculative_fixed_steps_refuse_ring_caches_in_one_line():
 
     ring = TransformerLM(ModelConfig(**{**BASE, "n_kv_heads": 2, "sliding_window": 5}))
     with pytest.raises(ValueError, match="needs static KV caches"):
-        speculative_generate(ring, "ngram", torch.tensor([1, 2, 3]), 8, k=2, step_mode="eager")
+        speculative_generate(ring, "ngram", torch.tensor([1, 2, 3]), 8, k=2, steps=FixedSteps("eager"))
 
 
 # ------------------------------------------------------------------ GPU
@@ -298,7 +298,7 @@ def test_cuda_graph_tokens_equal_eager_generate():
 @pytest.mark.cuda
 def test_cuda_graph_step_is_at_least_3x_faster_than_the_eager_step():
     """SmolLM2's eager step is launch-bound on a GPU; the recorded graph removes the launches."""
-    from cs336_inference.timing import median_seconds
+    from cs336_inference.bench.timing import median_seconds
 
     model = smollm2_shaped()
     prompt = torch.randint(0, 49152, (1, 64), device="cuda")
@@ -339,7 +339,7 @@ def test_the_compiled_cpu_step_equals_the_cached_forward(fmt):
     """torch.compile of the fixed-shape step (one graph; the C kernels as opaque custom ops) against
     the eager cached forward: logits to float32 rounding (the compiler fuses and reorders the small
     ops), then the same greedy tokens."""
-    from cs336_inference.kernels import build
+    from cs336_inference.fast.cpu import build
     from cs336_inference.quantization import quantize_model
 
     if build.library() is None:
@@ -383,7 +383,7 @@ NATIVE_VARIANTS = {
 
 
 def _native_model(variant: str, fmt: str = "fp32", seed: int = 0) -> TransformerLM:
-    from cs336_inference.kernels import build
+    from cs336_inference.fast.cpu import build
     from cs336_inference.quantization import quantize_model
 
     if build.library() is None:
@@ -403,8 +403,9 @@ def _native_model(variant: str, fmt: str = "fp32", seed: int = 0) -> Transformer
 def test_the_native_step_profile_splits_a_pass_into_its_phases():
     """graphs.native_profile: every phase timed (products, attention, SiLU...), the layers' phases
     inside the whole pass, and nothing recorded while profiling is off."""
-    from cs336_inference.kernels import build, native_step
-    from cs336_inference.kernels.graphs import native_profile
+    from cs336_inference.fast.cpu import build
+    from cs336_inference.fast.step import native as native_step
+    from cs336_inference.fast.step.fixed import native_profile
 
     model = _native_model("gqa")
     ms = native_profile(model, T=3, rounds=3, prompt_len=7)
@@ -461,7 +462,7 @@ def _check_native_steps(model, T: int, label: str, tol: float = 1e-4, steps: int
 @pytest.mark.parametrize("T", [1, 4])
 @pytest.mark.parametrize("variant", list(NATIVE_VARIANTS))
 def test_the_native_step_equals_the_cached_forward(variant, T):
-    """Every layer in one C call (kernels/step.c) against the model's own cached forward: MHA / GQA /
+    """Every layer in one C call (fast/cpu/step.c) against the model's own cached forward: MHA / GQA /
     MQA, sliding-window and hybrid layers in a static cache, Qwen2's q/k/v bias; 1 and 4 tokens."""
     _check_native_steps(_native_model(variant), T, f"{variant} T={T}")
 
@@ -525,7 +526,7 @@ def _check_padding_mode(model, mode):
 def test_a_native_verify_pass_gives_each_row_the_bits_of_one_token_steps(fmt, monkeypatch):
     """Speculative decoding's greedy identity needs a row's logits not to depend on T: a native
     4-token step equals 4 one-token steps bit for bit (also with the products on AMX tiles)."""
-    from cs336_inference.kernels import build
+    from cs336_inference.fast.cpu import build
 
     if fmt.endswith("-amx"):
         monkeypatch.setenv("CS336_KERNELS_AMX", "1")
@@ -587,7 +588,7 @@ def test_the_native_step_follows_replaced_weights():
 
 
 def test_the_native_step_refuses_what_it_cannot_run_in_one_line(monkeypatch):
-    from cs336_inference.kernels import build
+    from cs336_inference.fast.cpu import build
 
     if build.library() is None:
         pytest.skip("the C kernels are not built here (CS336_KERNELS=0 or no compiler)")

@@ -1,4 +1,4 @@
-"""The decode kernels (cs336_inference/kernels): equal to the readable references, a row's result
+"""The decode kernels (cs336_inference/fast/cpu): equal to the readable references, a row's result
 independent of the rows beside it, and optional (disabled or unbuildable, the PyTorch path runs)."""
 
 import math
@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cs336_inference import kernels
 from cs336_inference.config import ModelConfig
-from cs336_inference.kernels import build
+from cs336_inference.fast import cpu as kernels
+from cs336_inference.fast import install
+from cs336_inference.fast.cpu import build
 from cs336_inference.layers import Linear
 from cs336_inference.model import TransformerLM
 from cs336_inference.quantization import QuantizedLinear, quantize_model
@@ -54,6 +55,11 @@ def kernels_off(monkeypatch):
     build.reset()
 
 
+def fast_quantize(*args, **kwargs):
+    """quantize_model with the fast path installed on the result (quantize_model makes readable layers)."""
+    return install(quantize_model(*args, **kwargs))
+
+
 def make_layer(name: str, d_out: int, d_in: int, group_size: int | None, bias: bool = True):
     """(forward, kernel, w64, b64): the layer's forward, its kernel called directly (None: declined),
     and the float64 weight and bias it must compute with."""
@@ -70,12 +76,12 @@ def make_layer(name: str, d_out: int, d_in: int, group_size: int | None, bias: b
             if bias:
                 layer.bias.copy_(b)
         return (
-            layer,
+            install(layer),
             lambda x: kernels.linear_fp32(x, stored, b),
             w.double(),
             None if b is None else b.double(),
         )
-    layer = QuantizedLinear.from_weight(w, name, group_size=group_size, bias=b)
+    layer = install(QuantizedLinear.from_weight(w, name, group_size=group_size, bias=b))
     kernel = lambda x: kernels.quantized_linear(layer, x)  # noqa: E731
     return layer, kernel, layer.dequantize().double(), None if b is None else b.double()
 
@@ -136,7 +142,7 @@ def test_a_short_quantized_prefill_runs_the_kernel_32_rows_at_a_time(
 ):
     """More than MAX_ROWS rows (a prompt): quantized layers call the kernel on 32 rows at a time up to
     QUANTIZED_MAX_ROWS rows (each row as if alone), and decline beyond (the readable path runs)."""
-    from cs336_inference.kernels import ops
+    from cs336_inference.fast.cpu import ops
 
     layer, kernel, w64, b64 = make_layer(name, d_out, d_in, group_size)
     with torch.inference_mode():
@@ -159,12 +165,12 @@ def test_a_short_quantized_prefill_runs_the_kernel_32_rows_at_a_time(
 
 @pytest.fixture
 def native_ops(kernels_on):
-    """The C++ op bodies (kernels/native.cpp) loaded next to the Python ones; skipped if they cannot
+    """The C++ op bodies (fast/cpu/native.cpp) loaded next to the Python ones; skipped if they cannot
     be built here (no ninja or no torch headers: compiled steps then call the Python bodies)."""
-    from cs336_inference.kernels import ops
+    from cs336_inference.fast.cpu import ops
 
     if not ops.load_native():
-        pytest.skip("kernels/native.cpp could not be built here")
+        pytest.skip("fast/cpu/native.cpp could not be built here")
     return ops
 
 
@@ -211,7 +217,7 @@ def test_the_cpp_op_bodies_refuse_what_the_kernels_do_not_take_in_one_line(nativ
 def test_a_failed_cpp_build_is_one_line_and_compiled_steps_keep_the_python_bodies(
     kernels_on, monkeypatch, capfd
 ):
-    from cs336_inference.kernels import ops
+    from cs336_inference.fast.cpu import ops
 
     def fail():
         raise RuntimeError("Error building extension: no ninja")
@@ -299,7 +305,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kernels_on, name, d_out
             torch.set_num_threads(threads)
 
 
-# shapes the AMX kernels (kernels/amx.c) cover: outputs a multiple of 32, inputs (int8) or groups (int4)
+# shapes the AMX kernels (fast/cpu/amx.c) cover: outputs a multiple of 32, inputs (int8) or groups (int4)
 # a multiple of 64
 AMX_CASES = [
     ("int4", 64, 128, 64),
@@ -403,7 +409,7 @@ def test_amx_asked_for_without_amx_is_one_line_and_the_kernels_still_run(monkeyp
 
 def test_the_fp32_planner_keeps_our_kernel_unless_torch_is_clearly_faster(monkeypatch):
     """layout.measure: four candidates timed over a ring of copies; ours unless torch is > 10% faster."""
-    from cs336_inference.kernels import layout
+    from cs336_inference.fast import autotune as layout
 
     monkeypatch.delenv("CS336_KERNELS", raising=False)
     build.reset()
@@ -520,7 +526,7 @@ def tiny_model(seed: int = 0) -> TransformerLM:
         max_seq_len=64,
         tie_embeddings=True,
     )
-    return TransformerLM(cfg).eval()
+    return install(TransformerLM(cfg).eval())  # the kernels' path: what these tests check
 
 
 def test_a_failed_build_is_one_line_on_stderr_and_the_model_still_runs(monkeypatch, tmp_path, capfd):
@@ -536,7 +542,7 @@ def test_a_failed_build_is_one_line_on_stderr_and_the_model_still_runs(monkeypat
     monkeypatch.setenv("CS336_KERNELS_FP32", "ours")
     build.reset()
     try:
-        qmodel = quantize_model(model, "q8_0")
+        qmodel = fast_quantize(model, "q8_0")
         tokens = generate(model, prompt, 8, stop_token_ids=[])
         qmodel(prompt[None])
         generate(qmodel, prompt, 4, stop_token_ids=[])
@@ -555,7 +561,7 @@ def test_greedy_tokens_of_a_tiny_model_with_and_without_kernels(monkeypatch):
         model = (
             model
             if method is None
-            else quantize_model(model, method, group_size=32 if method == "int4" else None)
+            else fast_quantize(model, method, group_size=32 if method == "int4" else None)
         )
         monkeypatch.setenv("CS336_KERNELS", "0")
         build.reset()
@@ -579,14 +585,14 @@ def test_smollm2_greedy_tokens_with_and_without_kernels(monkeypatch, method):
     reference is the same quantized model through dequantize-then-F.linear; both round differently
     from each other only in float32 summation order, far below the gaps between greedy logits here.
     """
-    from cs336_inference.checkpoint import default_model_path, load_pretrained
+    from cs336_inference.io.checkpoint import default_model_path, load_pretrained
 
     path = default_model_path()
     if not path.exists():
         pytest.skip(f"no SmolLM2 checkpoint at {path}")
     model = load_pretrained(path, dtype=torch.float32)
     if method != "fp32":
-        model = quantize_model(model, method)
+        model = fast_quantize(model, method)
     prompt = torch.tensor([504, 3458, 282, 4967, 314, 253, 1345, 28, 216, 1032, 314])
     monkeypatch.setenv("CS336_KERNELS", "0")
     build.reset()
@@ -607,7 +613,7 @@ def test_smollm2_greedy_tokens_with_and_without_kernels(monkeypatch, method):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["fp32", "int8", "int4", "q4_0", "int8-amx", "int4-amx"])
 def test_smollm2_native_step_gives_generates_greedy_tokens(method):
-    """64 greedy tokens of SmolLM2 through the native step (every layer in one C call, kernels/step.c)
+    """64 greedy tokens of SmolLM2 through the native step (every layer in one C call, fast/cpu/step.c)
     equal `generate`'s (the model's own forward), and so do 5-token verify passes of speculative
     decoding with prompt lookup on a prompt that repeats itself (-amx: every product on AMX tiles)."""
     if method.endswith("-amx"):
@@ -623,8 +629,8 @@ def test_smollm2_native_step_gives_generates_greedy_tokens(method):
 
 
 def _smollm2_native_greedy(method: str) -> None:
-    from cs336_inference.checkpoint import default_model_path, load_pretrained
-    from cs336_inference.kernels.graphs import graph_generate
+    from cs336_inference.fast.step.fixed import FixedSteps, graph_generate
+    from cs336_inference.io.checkpoint import default_model_path, load_pretrained
     from cs336_inference.speculative import speculative_generate
 
     path = default_model_path()
@@ -634,12 +640,12 @@ def _smollm2_native_greedy(method: str) -> None:
         pytest.skip("the kernels could not be built here")
     model = load_pretrained(path, dtype=torch.float32)
     if method != "fp32":
-        model = quantize_model(model, method, quantize_head=True)
+        model = fast_quantize(model, method, quantize_head=True)
     prompt = torch.tensor([504, 3458, 282, 4967, 314, 253, 1345, 28, 216, 1032, 314] * 2)
     expected = generate(model, prompt, 64, stop_token_ids=[]).tolist()
     for name, got in (
         ("graph_generate", graph_generate(model, prompt, 64, mode="native")),
-        ("speculative k=4", speculative_generate(model, "ngram", prompt, 64, k=4, stop_token_ids=[], step_mode="native")),
+        ("speculative k=4", speculative_generate(model, "ngram", prompt, 64, k=4, stop_token_ids=[], steps=FixedSteps("native"))),
     ):  # fmt: skip
         got = got.tolist()
         first = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), None)
@@ -688,9 +694,9 @@ def _cuda_ms(fn, repeats: int = 50) -> float:
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("M", [1, 2, 5, 16])
 def test_cuda_weight_only_products_equal_the_reference(fmt, M):
-    """The GPU paths (kernels/cuda.py) against the readable reference: dequantize, then F.linear in
+    """The GPU paths (fast/gpu/products.py) against the readable reference: dequantize, then F.linear in
     float32. Widths that are not multiples of 128 (576: SmolLM2's) and a bias."""
-    from cs336_inference.kernels.cuda import quantized_cuda
+    from cs336_inference.fast.gpu.products import quantized_cuda
 
     torch.manual_seed(0)
     for d_out, d_in in [(1536, 576), (576, 1536), (256, 4096)]:
@@ -713,7 +719,7 @@ def test_cuda_weight_only_products_equal_the_reference(fmt, M):
 def test_the_triton_int8_kernel_equals_the_reference_for_1_to_32_rows(dtype):
     """Widths that are not multiples of its blocks (N = 100, K = 300), rows with a stride, every M."""
     pytest.importorskip("triton")
-    from cs336_inference.kernels.triton_int8 import int8_linear
+    from cs336_inference.fast.gpu.triton_int8 import int8_linear
 
     torch.manual_seed(0)
     for d_out, d_in in [(100, 300), (576, 1536)]:
@@ -763,7 +769,7 @@ def test_cuda_five_token_verify_costs_under_1_5x_a_one_token_step():
     assert t5 < 1.5 * t1, f"5-token forward {t5:.2f} ms vs 1-token {t1:.2f} ms"
 
 
-# ------------------------------------------------------------------ sibling projections (kernels/fuse.py)
+# ------------------------------------------------------------------ sibling projections (fast/step/fuse.py)
 def decode_logits(model, prompt: torch.Tensor, T_values=(1, 3)) -> list[torch.Tensor]:
     """The prefill's logits, then those of decode calls of T tokens each (the kernels' path)."""
     with torch.inference_mode():
@@ -779,11 +785,11 @@ def test_sibling_projections_run_as_one_product_with_the_separate_numbers(kernel
     """fuse_siblings: q/k/v and gate/up become one kernel call each (counted), their weights views of
     the stacked one; the quantized outputs are bit for bit those of separate calls, fp32 to rounding
     (the stacked shape may be stored in the other layout)."""
-    from cs336_inference.kernels import fuse
+    from cs336_inference.fast.step import fuse
 
     model = tiny_model(3)
     if fmt != "fp32":
-        model = quantize_model(model, fmt, group_size=32 if fmt == "int4" else None)
+        model = fast_quantize(model, fmt, group_size=32 if fmt == "int4" else None)
     prompt = torch.tensor([5, 7, 11, 13, 2, 8, 9, 4])
     before = decode_logits(model, prompt)
     n_layers = model.config.n_layers
@@ -826,7 +832,7 @@ def test_sibling_projections_run_as_one_product_with_the_separate_numbers(kernel
 def test_sibling_projections_follow_new_weights(kernels_on):
     """Loading weights in place reaches the stacked tensor (views); a member given a new tensor is
     stacked again on the next call: either way the output is a fresh model's with those weights."""
-    from cs336_inference.kernels.fuse import fuse_siblings
+    from cs336_inference.fast.step.fuse import fuse_siblings
 
     prompt = torch.tensor([5, 7, 11, 13, 2, 8, 9, 4])
     model, other = tiny_model(3), tiny_model(4)
@@ -846,7 +852,7 @@ def test_sibling_projections_follow_new_weights(kernels_on):
 
 
 def test_fusing_is_off_with_the_environment_switch(kernels_on, monkeypatch):
-    from cs336_inference.kernels.fuse import fuse_siblings
+    from cs336_inference.fast.step.fuse import fuse_siblings
 
     monkeypatch.setenv("CS336_KERNELS_FUSE", "0")
     model = tiny_model(3)
@@ -862,8 +868,8 @@ def test_a_model_made_under_inference_mode_can_take_another_layout(
     """A model loaded under torch.inference_mode holds inference tensors; re-storing a weight in the
     planned layout (or stacking siblings) must keep them inference tensors, or every later op on the
     Parameter raised "Inference tensors do not track version counter"."""
-    from cs336_inference.kernels import layout
-    from cs336_inference.kernels.fuse import fuse_siblings
+    from cs336_inference.fast import autotune as layout
+    from cs336_inference.fast.step.fuse import fuse_siblings
 
     monkeypatch.setattr(layout, "_plans", {})
     monkeypatch.setattr(layout, "measure", lambda o, i, force="auto": layout.Plan(layout_name, product, {}))
@@ -879,3 +885,77 @@ def test_a_model_made_under_inference_mode_can_take_another_layout(
             torch.testing.assert_close(
                 a, b, rtol=1e-5, atol=1e-5, msg=lambda m, fuse=fuse: f"fuse={fuse}: {m}"
             )
+
+
+def test_install_swaps_in_the_fast_layers_and_uninstall_restores_the_readable_ones(kernels_on):
+    """fast.install: every Linear / QuantizedLinear / LLMInt8Linear becomes its fast subclass (same
+    parameters and state dict, same numbers); uninstall gives the readable classes back."""
+    from cs336_inference import fast
+    from cs336_inference.layers import Linear
+    from cs336_inference.quantization import LLMInt8Linear, QuantizedLinear
+
+    prompt = torch.tensor([5, 7, 11, 13, 2, 8])
+    for method in (None, "q4_0", "llm_int8"):
+        model = fast.uninstall(tiny_model(2))  # tiny_model installs; start from the readable model
+        model = model if method is None else quantize_model(model, method)
+        readable = {name: type(m) for name, m in model.named_modules()}
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        expected = decode_logits(model, prompt)
+        assert not fast.installed(model)
+        assert fast.install(model) is model and fast.installed(model)
+        for name, m in model.named_modules():
+            if readable[name] in (Linear, QuantizedLinear, LLMInt8Linear):
+                assert type(m) is fast.FAST[readable[name]], f"{method}: {name} is {type(m).__name__}"
+                assert fast.readable_type(m) is readable[name]
+        assert state.keys() == model.state_dict().keys()
+        for a, b in zip(decode_logits(model, prompt), expected, strict=True):
+            torch.testing.assert_close(
+                a, b, rtol=1e-4, atol=1e-4, msg=lambda m, method=method: f"{method}: {m}"
+            )
+        fast.uninstall(model)
+        assert {name: type(m) for name, m in model.named_modules()} == readable
+
+
+def test_the_readable_layers_never_call_the_kernels(kernels_on, monkeypatch):
+    """Without install the model runs plain PyTorch: a kernel that would answer 7 everywhere is never
+    called; installed, it is."""
+    from cs336_inference import fast
+
+    model = quantize_model(
+        fast.uninstall(tiny_model(4)), "q8_0", quantize_head=False
+    )  # fp32 head, q8_0 layers
+    monkeypatch.setattr(
+        fast, "quantized_linear", lambda layer, x: torch.full((*x.shape[:-1], layer.d_out), 7.0)
+    )
+    monkeypatch.setattr(fast, "decode_linear", lambda layer, x: None)
+    ids = torch.tensor([[5, 7, 11]])
+    plain = model(ids)
+    assert not any(isinstance(m, fast.FastQuantizedLinear) for m in model.modules())
+    fast.install(model)
+    assert not torch.equal(model(ids), plain), "installed: the (planted) kernel answers"
+    fast.uninstall(model)
+    assert torch.equal(model(ids), plain)
+
+
+def test_plans_are_kept_in_a_file_between_processes(monkeypatch, tmp_path):
+    """autotune.plan: measured once per machine (CPU, torch, threads, shape), read back after."""
+    from cs336_inference.fast import autotune
+
+    calls = []
+
+    def measure(d_out, d_in, force="auto"):
+        calls.append((d_out, d_in))
+        return autotune.Plan("rows", "torch", {"torch/rows": 1e-6})
+
+    path = tmp_path / "plans.json"
+    monkeypatch.setenv("CS336_AUTOTUNE_CACHE", str(path))
+    monkeypatch.setattr(autotune, "measure", measure)
+    monkeypatch.setattr(autotune, "_plans", {})
+    first = autotune.plan(40, 24)
+    assert calls == [(40, 24)] and path.exists()
+    monkeypatch.setattr(autotune, "_plans", {})  # a new process
+    assert autotune.plan(40, 24) == first and calls == [(40, 24)], "read from the file, not measured again"
+    monkeypatch.setenv("CS336_AUTOTUNE_CACHE", "0")
+    monkeypatch.setattr(autotune, "_plans", {})
+    autotune.plan(40, 24)
+    assert calls == [(40, 24), (40, 24)], "CS336_AUTOTUNE_CACHE=0: measured every process"

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cs336_inference import ModelConfig, TransformerLM
-from cs336_inference.checkpoint import save_pretrained
+from cs336_inference.io.checkpoint import save_pretrained
 from cs336_inference.pruning import (
     Importance,
     block_importance,

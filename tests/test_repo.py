@@ -59,9 +59,8 @@ def test_ruff_clean():
         assert result.returncode == 0, result.stdout + result.stderr
 
 
-def package_imports() -> dict[str, set[str]]:
+def package_imports(package: Path = ROOT / "cs336_inference") -> dict[str, set[str]]:
     """module -> the package modules it imports anywhere (top level or inside a function)."""
-    package = ROOT / "cs336_inference"
     modules = {
         ".".join(p.relative_to(package).with_suffix("").parts): p
         for p in package.rglob("*.py")
@@ -94,7 +93,7 @@ def package_imports() -> dict[str, set[str]]:
 def test_package_has_no_import_cycle():
     """No module imports (even lazily, inside a function) a module that imports it back."""
     graph = package_imports()
-    assert "gguf_io" in graph["checkpoint"]  # the walk sees imports (a lazy one counts too)
+    assert "sampling" in graph["evaluation"]  # the walk sees imports (a lazy one counts too)
 
     def cycle_from(start: str, path: list[str]) -> list[str] | None:
         for nxt in sorted(graph[path[-1]]):
@@ -109,3 +108,48 @@ def test_package_has_no_import_cycle():
     for module in sorted(graph):
         cycle = cycle_from(module, [module])
         assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# The teaching core: what a student reads and the handout grades. It must not reach (even lazily,
+# even through another module) the staff fast path, serving, the benchmarks or parallel code.
+CORE = ("config", "layers", "attention", "kv_cache", "model", "sampling", "speculative", "quantization",
+        "accounting", "pruning", "distill")  # fmt: skip
+ABOVE_CORE = ("fast", "serving", "bench", "parallel")
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """'core -> ... -> above' for every core module that reaches a module above the core."""
+    out = []
+    for module in sorted(graph):
+        if module.split(".")[0] not in CORE:
+            continue
+        seen, frontier = {module: [module]}, [module]
+        while frontier:
+            here = frontier.pop()
+            for nxt in sorted(graph.get(here, ())):
+                if nxt in seen:
+                    continue
+                seen[nxt] = [*seen[here], nxt]
+                if nxt.split(".")[0] in ABOVE_CORE:
+                    out.append(" -> ".join(seen[nxt]))
+                else:
+                    frontier.append(nxt)
+    return out
+
+
+def test_the_teaching_core_imports_nothing_of_the_fast_path_serving_or_benchmarks():
+    violations = layering_violations(package_imports())
+    assert not violations, "the core reaches above itself:\n" + "\n".join(violations)
+
+
+def test_the_layering_check_catches_a_planted_import(tmp_path):
+    package = tmp_path / "cs336_inference"
+    shutil.copytree(ROOT / "cs336_inference", package, ignore=shutil.ignore_patterns("__pycache__", "*.c*"))
+    assert not layering_violations(package_imports(package))
+    layers = package / "layers.py"
+    layers.write_text(layers.read_text() + "\n\ndef _fast():\n    from .fast import autotune  # noqa\n")
+    sampling = package / "sampling.py"  # a lazy absolute import, two steps away from model.py
+    sampling.write_text(sampling.read_text() + "\n\ndef _x():\n    import cs336_inference.bench.decode\n")
+    found = layering_violations(package_imports(package))
+    assert "layers -> fast.autotune" in found, found
+    assert any(v.startswith("speculative -> sampling -> bench.decode") for v in found), found

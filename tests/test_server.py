@@ -20,13 +20,13 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from cs336_inference.checkpoint import default_model_path  # noqa: E402
 from cs336_inference.config import ModelConfig  # noqa: E402
+from cs336_inference.io.checkpoint import default_model_path  # noqa: E402
+from cs336_inference.io.tokenizer import load_tokenizer  # noqa: E402
 from cs336_inference.model import TransformerLM  # noqa: E402
 from cs336_inference.sampling import generate  # noqa: E402
 from cs336_inference.serving import LLMEngine  # noqa: E402
 from cs336_inference.serving.server import create_app  # noqa: E402
-from cs336_inference.tokenizer import load_tokenizer  # noqa: E402
 
 MODEL = "tiny-smollm2-vocab"
 NUM_BLOCKS, BLOCK_SIZE = 64, 16  # 1024 tokens of KV cache

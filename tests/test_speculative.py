@@ -621,7 +621,7 @@ def test_bad_inputs():
 
 # ------------------------------------------------------------------ the benchmark's library code
 def test_benchmark_library_on_tiny_models():
-    from cs336_inference import spec_bench
+    from cs336_inference.bench import speculative as spec_bench
 
     target = tiny_model("gqa")
     model = perturbed(target, 0.3)
@@ -649,7 +649,7 @@ def test_benchmark_library_on_tiny_models():
 def test_verify_pass_of_five_tokens_costs_under_1_5_steps_on_gpu():
     """Decode is memory-bound: a cached forward of 5 tokens reads the same weights as one of 1 token,
     so on a GPU it must cost < 1.5x a single decode step (CUDA-event timing, median of 20)."""
-    from cs336_inference.spec_bench import forward_cost
+    from cs336_inference.bench.speculative import forward_cost
 
     torch.manual_seed(0)
     cfg = ModelConfig(

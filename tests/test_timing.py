@@ -1,9 +1,9 @@
-"""cs336_inference.timing: the median after warm-up on a fake clock, the timer, the bandwidth probe."""
+"""cs336_inference.bench.timing: the median after warm-up on a fake clock, the timer, the bandwidth probe."""
 
 import pytest
 import torch
 
-from cs336_inference import timing
+from cs336_inference.bench import timing
 
 
 class FakeClock:

@@ -7,8 +7,8 @@ import pytest
 from gguf import GGUFWriter
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from cs336_inference.checkpoint import CheckpointError, default_model_path
-from cs336_inference.tokenizer import CHATML_TEMPLATE, load_tokenizer
+from cs336_inference.io.checkpoint import CheckpointError, default_model_path
+from cs336_inference.io.tokenizer import CHATML_TEMPLATE, load_tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = (  # a template with a default system turn, like SmolLM2's

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
+from cs336_inference.bench import serving as workload
 from cs336_inference.config import ModelConfig
 from cs336_inference.model import TransformerLM
 from cs336_inference.sampling import generate
-from cs336_inference.serving import workload
 
 
 def test_workload_is_seeded_and_only_the_rate_changes_arrivals():

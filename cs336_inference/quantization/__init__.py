@@ -12,7 +12,6 @@ quantize.py     quantize_model(model, method), model_nbytes(model)
 
 from cs336_inference.quantization.linear import (
     FORMATS,
-    KERNELS,
     PackedWeight,
     QuantizedEmbedding,
     QuantizedLinear,
@@ -22,7 +21,6 @@ from cs336_inference.quantization.quantize import METHODS, model_nbytes, quantiz
 
 __all__ = [
     "FORMATS",
-    "KERNELS",
     "LLMInt8Linear",
     "METHODS",
     "PackedWeight",

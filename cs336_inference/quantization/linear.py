@@ -8,9 +8,9 @@ llama.cpp blocks) and a float bias if the original had one. `forward` is the rea
 
 That reference reads the small stored weight but then materializes the float W, so by itself it is
 not faster than the float layer; what makes quantized decode fast is a kernel that multiplies
-straight from the stored bytes. The seam for one is `KERNELS`: a function registered under a
-format's name is tried first and may return None to decline (e.g. for a shape it does not handle),
-in which case the reference runs. The decode-kernel work plugs in there; nothing else changes.
+straight from the stored bytes. That is staff code (`cs336_inference.fast`): `fast.install(model)`
+turns each QuantizedLinear into a subclass whose forward tries such a kernel first and falls back
+to this reference for a shape the kernel does not handle. Nothing here knows of it.
 
 Formats (bytes for an [O, I] weight; G = I / group_size):
 
@@ -32,7 +32,6 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from cs336_inference import kernels as decode_kernels
 from cs336_inference.quantization import ggml_blocks
 from cs336_inference.quantization.a8 import A8_FORMATS, a8_linear
 from cs336_inference.quantization.absmax import absmax_dequantize, absmax_quantize
@@ -81,10 +80,6 @@ FORMATS: dict[str, Format] = {
     "int4": Format("int4", _int4, lambda qweight, scale, zero: int4_dequantize(qweight, scale, zero), 64),
     **{fmt: Format(fmt, *_block(fmt), None) for fmt in ("q8_0", "q4_0", "q4_1")},
 }
-
-# Fast paths: format name -> kernel(layer, x) returning y, or None to fall back to the reference.
-# Filled with the decode kernels (cs336_inference/kernels: 1..32 rows, CPU, float32).
-KERNELS: dict[str, Callable[[QuantizedLinear, Tensor], Tensor | None]] = dict(decode_kernels.QUANTIZED)
 
 
 def check_format(fmt: str, d_in: int, group_size: int | None) -> int | None:
@@ -188,14 +183,7 @@ class QuantizedLinear(nn.Module):
         tensors = [*self.stored().values(), *([] if self.bias is None else [self.bias])]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def _fast_forward(self, x: Tensor) -> Tensor | None:
-        kernel = KERNELS.get(self.fmt)
-        return None if kernel is None else kernel(self, x)
-
     def forward(self, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"]:
-        y = self._fast_forward(x)
-        if y is not None:
-            return y
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.activations is not None:
             return a8_linear(x, self.fmt, self.stored(), bias).to(x.dtype)

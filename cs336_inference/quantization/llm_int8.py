@@ -25,7 +25,6 @@ import torch
 from jaxtyping import Float, Int8, Int32
 from torch import Tensor
 
-from cs336_inference import kernels as decode_kernels
 from cs336_inference.quantization.linear import QuantizedLinear
 
 DEFAULT_THRESHOLD = 6.0
@@ -92,14 +91,7 @@ class LLMInt8Linear(QuantizedLinear):
         q = QuantizedLinear.from_linear(linear, "int8")
         return cls("int8", q.d_in, q.d_out, q.stored(), None, q.bias, threshold=threshold)
 
-    def _fast_forward(self, x: Tensor) -> Tensor | None:
-        """The decode kernel (kernels.llm_int8_linear: the same numbers, its int8 product in C), or None."""
-        return decode_kernels.llm_int8_linear(self, x)
-
     def forward(self, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"]:
-        y = self._fast_forward(x)
-        if y is not None:
-            return y
         y = llm_int8_matmul(x, self.qweight, self.scale, self.threshold)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 

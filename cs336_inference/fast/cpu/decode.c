@@ -37,7 +37,7 @@
    Near the end: e^x on vectors (`vexp`, within 2 ulp) for step.c's softmax and SwiGLU (`cs336_exp`,
    `cs336_silu_mul`), which had called the C library's expf once per number.
 
-   Compiled on first use by kernels/build.py (gcc -O3 -march=native -fopenmp). The vectors are GCC
+   Compiled on first use by fast/cpu/build.py (gcc -O3 -march=native -fopenmp). The vectors are GCC
    vector types (16 lanes with AVX-512, 8 with AVX2, 4 otherwise), so one source serves every
    x86-64 CPU; the few intrinsics (conversions, fma, the lookup) have plain C versions.
 */
@@ -139,6 +139,17 @@ static inline vf vfma(vf a, vf b, vf c) {
 
 /* out[j] = the lanes of a_j summed, for four vectors at once (a transpose of partial sums): every
    output is the same tree of its own vector's lanes, whatever the other three hold */
+#ifdef CS336_AVX2
+/* out[j] = the sum of the 8 lanes of aj: the AVX2 reduction, also for 8-wide sums on an AVX-512 build */
+static inline void vsum4_256(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float out[4]) {
+    __m256 t01 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
+    __m256 t23 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
+    __m256d d01 = _mm256_castps_pd(t01), d23 = _mm256_castps_pd(t23);
+    __m256 u = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(d01, d23)), _mm256_castpd_ps(_mm256_unpackhi_pd(d01, d23)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+}
+#endif
+
 static inline void vsum4(vf a0, vf a1, vf a2, vf a3, float out[4]) {
 #if VL == 16
     __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps((__m512)a0, (__m512)a1), _mm512_unpackhi_ps((__m512)a0, (__m512)a1));
@@ -148,11 +159,7 @@ static inline void vsum4(vf a0, vf a1, vf a2, vf a3, float out[4]) {
     __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
 #elif VL == 8
-    __m256 t01 = _mm256_add_ps(_mm256_unpacklo_ps((__m256)a0, (__m256)a1), _mm256_unpackhi_ps((__m256)a0, (__m256)a1));
-    __m256 t23 = _mm256_add_ps(_mm256_unpacklo_ps((__m256)a2, (__m256)a3), _mm256_unpackhi_ps((__m256)a2, (__m256)a3));
-    __m256d d01 = _mm256_castps_pd(t01), d23 = _mm256_castps_pd(t23);
-    __m256 u = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(d01, d23)), _mm256_castpd_ps(_mm256_unpackhi_pd(d01, d23)));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+    vsum4_256((__m256)a0, (__m256)a1, (__m256)a2, (__m256)a3, out);
 #else
     vf a[4] = {a0, a1, a2, a3};
     for (int j = 0; j < 4; j++) out[j] = (a[j][0] + a[j][2]) + (a[j][1] + a[j][3]);
@@ -932,7 +939,7 @@ static inline __attribute__((always_inline)) void a8_tile(const Weight *W, int f
             }
         }
     }
-    for (int r = 0; r < R; r++) vsum4((vf)a[r][0], (vf)a[r][1], (vf)a[r][2], (vf)a[r][3], s[r]);
+    for (int r = 0; r < R; r++) vsum4_256(a[r][0], a[r][1], a[r][2], a[r][3], s[r]);
 #else
     for (int r = 0; r < R; r++)
         for (int j = 0; j < 4; j++) {

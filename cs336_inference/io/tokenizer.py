@@ -26,8 +26,8 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from cs336_inference import gguf_io
-from cs336_inference.sources import CheckpointError, resolve_checkpoint
+from cs336_inference.io import gguf_read as gguf_io
+from cs336_inference.io.sources import CheckpointError, resolve_checkpoint
 
 # A plain ChatML template, used only when a model ships no template of its own.
 CHATML_TEMPLATE = (

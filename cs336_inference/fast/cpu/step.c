@@ -1,6 +1,6 @@
 /* The decoder layers of a Llama-style model for B rows of T new tokens, in one C call.
 
-   A compiled decode step (kernels/graphs.py) still runs about 500 small calls per SmolLM2 token
+   A compiled decode step (fast/step/fixed.py) still runs about 500 small calls per SmolLM2 token
    through the generated Python wrapper: the products, the fused norm / rotary / softmax / SiLU
    loops, the cache writes, each a few microseconds. The products are memory-bound and cannot get
    faster than the bytes they read; the calls between them are pure overhead, about a fifth of the
@@ -10,7 +10,7 @@
        x += down(silu(gate) * up)                                  with gate, up = gateup(rmsnorm(x))
 
    in C, calling decode.c's product kernels (exported there) on the stacked q/k/v and gate/up
-   weights of kernels/fuse.py. kernels/native_step.py builds its arguments; it is staff code, tested
+   weights of fast/step/fuse.py. fast/step/native.py builds its arguments; it is staff code, tested
    equal (to float32 rounding) to the model's own forward, which stays the readable reference.
 
    Every row (b, t) is computed by the same operations whatever T is: the products' rows are
@@ -19,7 +19,7 @@
    bitwise the logits of k + 1 one-token steps, as speculative decoding's greedy identity needs.
 
    Arguments are flat int64 arrays (pointers as integers), so the Python side builds them with
-   one torch.tensor call. Compiled with decode.c by kernels/build.py (-ffp-contract=off: every
+   one torch.tensor call. Compiled with decode.c by fast/cpu/build.py (-ffp-contract=off: every
    multiply and add rounds as in the reference). */
 #include <math.h>
 #include <omp.h>

@@ -3,8 +3,8 @@
 On a GPU a small model's eager decode step is bound by kernel launches, not by memory: SmolLM2's
 bf16 weights (270 MB) take about 0.1 ms to read at 3 TB/s, while its ~600 small kernels take
 milliseconds to launch from Python. So the table has two columns that matter: the eager step (what
-`generate` does) and the CUDA-graph step (kernels/graphs.py, gpt-fast's loop), whose time should
-approach bytes / bandwidth, with int8 and int4 (kernels/cuda.py) reading fewer bytes.
+`generate` does) and the CUDA-graph step (fast/step/fixed.py, gpt-fast's loop), whose time should
+approach bytes / bandwidth, with int8 and int4 (fast/gpu/products.py) reading fewer bytes.
 
 All contenders run interleaved, `rounds` times, greedy, batch 1; each time is one decode step
 (the whole run minus its prefill, over new_tokens - 1 steps), median over rounds after a warm-up.
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from . import accounting as acc
-from .config import ModelConfig
-from .format_benchmark import weight_bytes
-from .kernels.graphs import FixedStep
-from .model import TransformerLM
-from .timing import interleaved_rounds, read_bandwidth
+from cs336_inference import accounting as acc
+from cs336_inference.bench.formats import weight_bytes
+from cs336_inference.bench.timing import interleaved_rounds, read_bandwidth
+from cs336_inference.config import ModelConfig
+from cs336_inference.fast.step.fixed import FixedStep
+from cs336_inference.model import TransformerLM
 
 Log = Callable[[str], None]
 T_SIZES = (1, 2, 5, 9, 17)
@@ -71,8 +71,8 @@ def _step_seconds(model: TransformerLM, prompt: torch.Tensor, n: int, graph: boo
 
 
 def _greedy(model: TransformerLM, prompt: torch.Tensor, n: int, graph: bool) -> list[int]:
-    from .kernels.graphs import graph_generate
-    from .sampling import generate
+    from cs336_inference.fast.step.fixed import graph_generate
+    from cs336_inference.sampling import generate
 
     if graph:
         return graph_generate(model, prompt, n).tolist()
@@ -102,7 +102,7 @@ def _transformers(model: TransformerLM, log: Log):
     except ImportError as e:
         log(f"transformers not installed ({e}): no transformers row")
         return None
-    from .checkpoint import save_pretrained
+    from cs336_inference.io.checkpoint import save_pretrained
 
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(copy.deepcopy(model).float().cpu(), tmp)
@@ -140,13 +140,16 @@ def cuda_decode_benchmark(
     """The interleaved GPU comparison (module docstring) as a JSON-ready dict. `model`: any float
     TransformerLM; it is converted to bf16 on the GPU (quantized formats also store the output
     matrix quantized, as llama.cpp's files do)."""
-    from .quantization import quantize_model
+    from cs336_inference.fast import install
+    from cs336_inference.quantization import quantize_model
 
     if not torch.cuda.is_available():
         raise RuntimeError("the GPU decode benchmark needs a CUDA device")
     base = model.to("cuda", torch.bfloat16).eval()
     prompt = prompt.to("cuda")
-    models = {f: base if f == "bf16" else quantize_model(base, f, quantize_head=True) for f in formats}
+    models = {
+        f: install(base if f == "bf16" else quantize_model(base, f, quantize_head=True)) for f in formats
+    }
     contenders: dict[str, Callable[[], float]] = {}
     for f, m in models.items():
         contenders[f"ours {f} eager"] = lambda m=m: _step_seconds(m, prompt, new_tokens, graph=False)
@@ -239,8 +242,8 @@ def main_model(
 ) -> tuple[TransformerLM, torch.Tensor, str]:
     """The checkpoint if there is one (and no `shape` is asked for), else random weights in the
     shapes of `shape` (default SmolLM2-135M; speed does not depend on the values); a 64-token prompt."""
-    from .benchmarking import benchmark_prompt
-    from .checkpoint import CheckpointError, default_model_path, load_pretrained
+    from cs336_inference.bench.decode import benchmark_prompt
+    from cs336_inference.io.checkpoint import CheckpointError, default_model_path, load_pretrained
 
     if shape is None:
         try:

@@ -1,4 +1,4 @@
-// The ops of kernels/ops.py with C++ bodies, for the compiled decode step (kernels/graphs.py).
+// The ops of fast/cpu/ops.py with C++ bodies, for the compiled decode step (fast/step/fixed.py).
 //
 // A compiled step calls its products through the dispatcher. With a Python body, each call pays
 // for boxing its arguments into Python objects, the Python checks and the ctypes call: 23.5 us for a

@@ -35,7 +35,7 @@ from cs336_inference.serving import LLMEngine, SamplingParams
 
 
 @dataclass
-class Request:
+class WorkloadRequest:
     arrival: float  # seconds
     prompt_ids: list[int]
     max_new_tokens: int
@@ -59,7 +59,7 @@ def make_workload(
     shared_fraction: float = 0.5,
     system_prompt_len: int = 64,
     first_id: int = 100,
-) -> list[Request]:
+) -> list[WorkloadRequest]:
     """num_requests requests, sorted by arrival; rate in requests per second (> 0).
 
     The same seed gives the same lengths and tokens at every rate (arrival gaps are unit-rate
@@ -81,7 +81,7 @@ def make_workload(
     for i in range(num_requests):
         own = rng.integers(first_id, vocab_size, int(prompts[i])).tolist()
         ids = system + own if shared[i] else own
-        out.append(Request(float(arrivals[i]), ids, int(outputs[i]), bool(shared[i])))
+        out.append(WorkloadRequest(float(arrivals[i]), ids, int(outputs[i]), bool(shared[i])))
     return out
 
 
@@ -103,7 +103,7 @@ class Trace:
 
 
 @torch.inference_mode()
-def run_static(model, requests: list[Request], batch_size: int) -> Trace:
+def run_static(model, requests: list[WorkloadRequest], batch_size: int) -> Trace:
     """Static batching (module docstring)."""
     n = len(requests)
     trace = Trace([None] * n, [None] * n, [[] for _ in range(n)], extra={"batches": 0})
@@ -142,7 +142,7 @@ def run_static(model, requests: list[Request], batch_size: int) -> Trace:
 
 
 @torch.inference_mode()
-def run_engine(model, requests: list[Request], **engine_kwargs) -> Trace:
+def run_engine(model, requests: list[WorkloadRequest], **engine_kwargs) -> Trace:
     """Continuous batching with LLMEngine (module docstring)."""
     n = len(requests)
     engine = LLMEngine(model, **engine_kwargs)
@@ -183,7 +183,7 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if values else float("nan")
 
 
-def summarize(requests: list[Request], trace: Trace) -> dict:
+def summarize(requests: list[WorkloadRequest], trace: Trace) -> dict:
     """Throughput, TTFT / TPOT (median, p99), end-to-end latency, KV memory reserved vs needed."""
     n_out = sum(len(t) for t in trace.tokens)
     start = min(r.arrival for r in requests)

@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from . import accounting as acc
-from .config import ModelConfig
-from .model import TransformerLM
-from .timing import last_level_cache_bytes, matmul_flops_per_second, median_seconds, read_bandwidth
+from cs336_inference import accounting as acc
+from cs336_inference.bench.timing import (
+    last_level_cache_bytes,
+    matmul_flops_per_second,
+    median_seconds,
+    read_bandwidth,
+)
+from cs336_inference.config import ModelConfig
+from cs336_inference.model import TransformerLM
 
 MiB = 2**20
 BT_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]

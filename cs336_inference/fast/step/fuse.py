@@ -6,7 +6,7 @@ wrapper's Python. Layers that read the same input can be one call over their wei
 along the output: attention's three calls become one, the MLP's first two become one. Each output
 is still the dot product of x with the same weight row. The quantized kernels compute every output
 on its own, so their numbers are bitwise those of separate calls; an fp32 stack may be stored in the
-other layout or run on BLAS (kernels/layout.py plans its shape), equal to rounding.
+other layout or run on BLAS (fast/autotune.py plans its shape), equal to rounding.
 
 `fuse_siblings(model)` stacks each group's stored weights into one tensor and makes the layers'
 own weights views of it: nothing is stored twice, and in-place updates (loading, training) reach
@@ -17,7 +17,7 @@ readable path as before. If a member's weight is replaced (`.to()`, a new tensor
 stacks the members again on its next call.
 
 SmolLM2: 210 product calls per step become 120; the compiled step ran int4 1.09x, q4_0 1.16x and fp32
-1.02x as many tokens/s (Intel Xeon, 2 cores; README, "Decode kernels", stop 23).
+1.02x as many tokens/s (Intel Xeon, 2 cores; docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ import os
 import torch
 from torch import Tensor, nn
 
-from ..layers import Linear
-from ..quantization.linear import QuantizedLinear
-from . import build
-from .layout import _stored, decode_linear, plan
-from .ops import quantized_linear
+from cs336_inference.fast import readable_type
+from cs336_inference.fast.autotune import _stored, decode_linear, plan
+from cs336_inference.fast.cpu import build
+from cs336_inference.fast.cpu.ops import quantized_linear
+from cs336_inference.layers import Linear, skip_random_init
+from cs336_inference.quantization.linear import QuantizedLinear
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -68,7 +69,8 @@ class Siblings:
                 views = {name: getattr(self.stacked, name) for name in names}
             else:
                 weight = torch.cat([layer.weight.detach() for layer in self.layers])
-                self.stacked = Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+                with skip_random_init():  # the stacked weight is copied in below
+                    self.stacked = Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
                 # stored in the layout the planner picks for the stacked shape, so it is never re-stored
                 self.stacked.weight.data = _stored(weight, plan(*weight.shape).layout)
                 if bias is not None:
@@ -123,14 +125,14 @@ def _same_kind(layers: list[nn.Module]) -> bool:
     first = layers[0]
     if isinstance(first, QuantizedLinear):
         same = all(
-            type(layer) is QuantizedLinear
+            readable_type(layer) is QuantizedLinear
             and (layer.fmt, layer.d_in, layer.group_size, layer.activations)
             == (first.fmt, first.d_in, first.group_size, first.activations)
             for layer in layers
         )
     else:
         same = all(
-            type(layer) is Linear
+            readable_type(layer) is Linear
             and layer.weight.dtype == torch.float32
             and layer.weight.shape[1] == first.weight.shape[1]
             for layer in layers

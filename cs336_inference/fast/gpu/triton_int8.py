@@ -13,7 +13,7 @@ in 91 us against 189 us. A variant without tensor cores (multiply and sum in reg
 padded) was slower at every shape but the smallest (44 us at 8192 x 8192, M = 1): not kept.
 
 Staff code: tests/test_kernels.py compares it with the readable reference on a GPU; without Triton
-(or a GPU) `int8_linear` is None and kernels/cuda.py falls back.
+(or a GPU) `int8_linear` is None and fast/gpu/products.py falls back.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
-except ImportError:  # no Triton (e.g. the CPU-only torch wheel): kernels/cuda.py falls back
+except ImportError:  # no Triton (e.g. the CPU-only torch wheel): fast/gpu/products.py falls back
     triton = None
 
 if triton is not None:

@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import accounting as acc
-from .config import ModelConfig
-from .model import TransformerLM
-from .sampling import generate, generate_steps
-from .timing import Timer, median_seconds, read_bandwidth, synchronize
+from cs336_inference import accounting as acc
+from cs336_inference.bench.timing import Timer, median_seconds, read_bandwidth, synchronize
+from cs336_inference.config import ModelConfig
+from cs336_inference.model import TransformerLM
+from cs336_inference.sampling import generate, generate_steps
 
 PROMPT_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
@@ -52,7 +52,7 @@ def tiny_config() -> ModelConfig:
 
 def benchmark_prompt(source: Path, vocab_size: int, n: int) -> torch.Tensor:
     """The first n tokens of PROMPT_TEXT in the checkpoint's tokenizer (random ids if it has none)."""
-    from .tokenizer import load_tokenizer
+    from cs336_inference.io.tokenizer import load_tokenizer
 
     try:
         ids = load_tokenizer(source).encode(PROMPT_TEXT * 4)[:n]

@@ -1,7 +1,7 @@
 """Build decode.c (the products), amx.c (int8 and int4 products on AMX tiles) and step.c (the decoder
 layers) on first use, as one library loaded with ctypes; None (and one line on stderr) if that fails.
 
-The shared library is cached under $CS336_KERNELS_CACHE (default ~/.cache/cs336_inference/kernels),
+The shared library is cached under $CS336_KERNELS_CACHE (default ~/.cache/cs336_inference/fast),
 named by a hash of the source, the compiler, its flags and this CPU's feature flags, so a changed
 source or another CPU builds anew and concurrent processes never see a half-written file.
 
@@ -70,7 +70,7 @@ def _cpu_fingerprint() -> str:
 
 
 def cache_dir() -> Path:
-    default = Path.home() / ".cache" / "cs336_inference" / "kernels"
+    default = Path.home() / ".cache" / "cs336_inference" / "fast"
     return Path(os.environ.get("CS336_KERNELS_CACHE", default))
 
 
@@ -126,7 +126,7 @@ def _one_line(error: Exception | None) -> str:
 
 
 def build_from(sources: list[Path], out: Path) -> ctypes.CDLL:
-    """A library from other copies of SOURCES (another revision's, for kernels/compare_builds.py),
+    """A library from other copies of SOURCES (another revision's, for bench/kernels_ab.py),
     compiled as `build` compiles, not cached; one line if that fails."""
     try:
         _compile(_compiler(), compile_flags(), out, tuple(sources))
@@ -175,7 +175,7 @@ def library() -> ctypes.CDLL | None:
             _switch_amx(_lib)
         except Exception as e:  # no compiler, a failed build, a library that does not load
             print(
-                f"cs336_inference.kernels: not built ({' '.join(str(e).split())[:200]}); using the PyTorch path",
+                f"cs336_inference.fast: kernels not built ({' '.join(str(e).split())[:200]}); using the PyTorch path",
                 file=sys.stderr,
             )
             _lib = None
@@ -189,7 +189,7 @@ def _switch_amx(lib: ctypes.CDLL) -> None:
     amx_on = bool(lib.cs336_amx_enable(int(wanted)))
     if wanted and not amx_on:
         print(
-            "cs336_inference.kernels: CS336_KERNELS_AMX=1 but no AMX here; int8 and int4 run on AVX",
+            "cs336_inference.fast: CS336_KERNELS_AMX=1 but no AMX here; int8 and int4 run on AVX",
             file=sys.stderr,
         )
 

@@ -3,7 +3,7 @@
 A compiled CPU step (graphs.py, mode "compile") leaves about 500 calls per SmolLM2 token in the
 generated wrapper's Python: the products plus the fused loops of norms, rotary, softmax, SiLU and
 cache writes between them. The products read the weights at close to the memory bandwidth; the
-calls around them cost about a fifth of the step (README, "Decode kernels"). `NativeLayers` hands
+calls around them cost about a fifth of the step (docs/kernels.md). `NativeLayers` hands
 all L layers to `cs336_layers` at once, which runs the same computation in C around decode.c's
 product kernels, so a step is the embedding, one C call, the final norm and the output product.
 
@@ -18,7 +18,7 @@ a step reads (270 for SmolLM2), looked up from the blocks by name, with the last
 describes the layers again if one moved, so a weight or a layer replaced since the last call is seen
 (a replaced member of a stacked group is stacked again); in-place updates write into the same
 memory anyway. Biases and quantization scales are not watched: one replaced on its own (its weight
-left as it was) is seen only once a weight moves (kernels/fuse.py's groups have the same limit).
+left as it was) is seen only once a weight moves (fast/step/fuse.py's groups have the same limit).
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from ..attention import Attention
-from ..kv_cache import StaticKVCache
-from ..layers import Linear, RMSNorm, SwiGLU
-from ..quantization.linear import QuantizedLinear
-from . import build
-from .layout import settle
-from .ops import A8_CODE, FORMAT_CODES
+from cs336_inference.attention import Attention
+from cs336_inference.fast import readable_type
+from cs336_inference.fast.autotune import settle
+from cs336_inference.fast.cpu import build
+from cs336_inference.fast.cpu.ops import A8_CODE, FORMAT_CODES
+from cs336_inference.kv_cache import StaticKVCache
+from cs336_inference.layers import Linear, RMSNorm, SwiGLU
+from cs336_inference.quantization.linear import QuantizedLinear
 
 F32_ROWS, F32_COLS = 0, 6  # step.c's format codes for fp32; the quantized ones are ops.FORMAT_CODES
 
@@ -45,7 +46,9 @@ def _product_problem(layer) -> str | None:
         if layer.fmt == "int4" and layer.scale.dtype != torch.float16:
             return "an int4 layer with float32 scales"
     elif (
-        type(layer) is not Linear or layer.weight.dtype != torch.float32 or layer.weight.device.type != "cpu"
+        readable_type(layer) is not Linear
+        or layer.weight.dtype != torch.float32
+        or layer.weight.device.type != "cpu"
     ):
         return f"a {type(layer).__name__} product that is not a float32 CPU Linear"
     if layer.bias is not None and (layer.bias.dtype != torch.float32 or not layer.bias.is_contiguous()):
@@ -58,7 +61,7 @@ def why_not(model, cache) -> str | None:
     if build.library() is None:
         return "the C kernels are not built here (CS336_KERNELS=0 or no compiler)"
     if not build.switched_on("CS336_KERNELS_FUSE"):
-        return "it needs the stacked q/k/v and gate/up of kernels/fuse.py (CS336_KERNELS_FUSE=0)"
+        return "it needs the stacked q/k/v and gate/up of fast/step/fuse.py (CS336_KERNELS_FUSE=0)"
     if model.embed.weight.dtype != torch.float32 or model.embed.weight.device.type != "cpu":
         return "it runs float32 models on the CPU"
     H = model.config.head_dim

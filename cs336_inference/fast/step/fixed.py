@@ -20,7 +20,7 @@ it once and replays it.
 On the CPU there are no graphs to replay, but the same fixed shapes let `torch.compile` trace the
 whole step as one graph (fullgraph, no recompiles as the cache grows) and fuse its few thousand small
 ops (norms, rotary, masks, softmax, residual adds) into a few dozen loops; the C kernels stay opaque
-calls (kernels/ops.py). `FixedStep(..., mode="compile")`; compiling SmolLM2's step takes about two
+calls (fast/cpu/ops.py). `FixedStep(..., mode="compile")`; compiling SmolLM2's step takes about two
 minutes on 2 cores, once per process and shape.
 
 The same step takes T tokens per row (`T=`): speculative decoding's verify pass of k + 1 tokens.
@@ -42,14 +42,15 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from ..attention import ForwardContext
-from ..kv_cache import KVCache, StaticKVCache
-from ..quantization.linear import PackedWeight
-from . import build, ops
-from .fuse import fuse_siblings
-from .layout import decode_linear, settle
-from .native_step import PHASES, NativeLayers
-from .ops import linear_fp32
+from cs336_inference.attention import ForwardContext
+from cs336_inference.fast import install
+from cs336_inference.fast.autotune import decode_linear, settle
+from cs336_inference.fast.cpu import build, ops
+from cs336_inference.fast.cpu.ops import linear_fp32
+from cs336_inference.fast.step.fuse import fuse_siblings
+from cs336_inference.fast.step.native import PHASES, NativeLayers
+from cs336_inference.kv_cache import KVCache, StaticKVCache
+from cs336_inference.quantization.linear import PackedWeight
 
 MODES = ("graph", "compile", "native", "eager")
 
@@ -96,9 +97,10 @@ class StaticDecodeStep:
         if T < 1:
             raise ValueError(f"a fixed-shape step needs T >= 1 tokens, got {T}")
         self.model, self.cache, self.T = model, cache, T
+        install(model)  # the products through the kernels (a no-op if the model has them already)
         device = model.embed.weight.device
         if device.type == "cpu":
-            fuse_siblings(model)  # q/k/v and gate/up as one product each (kernels/fuse.py)
+            fuse_siblings(model)  # q/k/v and gate/up as one product each (fast/step/fuse.py)
         B = cache.layers[0].k.shape[0]
         self.ids = torch.zeros(B, T, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
@@ -107,9 +109,9 @@ class StaticDecodeStep:
         # a pad (zeros if none) makes ForwardContext build the causal mask, which hides unwritten slots
         self.pad = torch.zeros(B, dtype=torch.long, device=device) if cache.pad is None else cache.pad
         # a quantized output matrix: its layer, called directly (what F.linear(h, PackedWeight) does);
-        # a float one: the planned fp32 product of a Linear (kernels/layout.py), which the model's own
+        # a float one: the planned fp32 product of a Linear (fast/autotune.py), which the model's own
         # last line (F.linear) does not take; ours keeps each row's logits independent of T (with it,
-        # SmolLM2's compiled 5-token verify pass went from 1.43x to 1.23x a step: README, Intel Xeon)
+        # SmolLM2's compiled 5-token verify pass went from 1.43x to 1.23x a step: docs/kernels.md, Intel Xeon)
         w = model.vocab_weight
         self.head = w.layer if isinstance(w, PackedWeight) else None
         self.vocab = _VocabHead(w) if self.head is None else None
@@ -158,7 +160,7 @@ def compiled_forward():
         if hasattr(torch._dynamo.config, "recompile_limit"):
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if build.library() is not None:
-            ops.load_native()  # the products' C++ bodies (kernels/native.cpp), decided before tracing
+            ops.load_native()  # the products' C++ bodies (fast/cpu/native.cpp), decided before tracing
         # the generated wrapper checks every op output's size, stride and alignment by default (about
         # a thousand calls per SmolLM2 step): off, the int4 step took 0.94x the time (Intel Xeon,
         # one process, 10 interleaved rounds); the fake kernels give the products' true shapes
@@ -220,7 +222,7 @@ class FixedStep:
             logits = self.logits
         elif self.mode == "compile":
             done = _settled.setdefault(self.step.model, set())
-            if T not in done:  # an eager call first: settles the fp32 layouts (kernels/layout.py)
+            if T not in done:  # an eager call first: settles the fp32 layouts (fast/autotune.py)
                 self.step.forward()
                 done.add(T)
             logits = compiled_forward()(self.step)
@@ -266,6 +268,22 @@ class FixedShapes:
         logits = self.steps[size](padded)
         cache.pos = start + T
         return (logits[:, None] if size == 1 else logits[:, :T]).clone()
+
+
+class FixedSteps:
+    """speculative decoding's `Steps` (speculative.py): the target's (and a model draft's) forwards as
+    FixedShapes of one mode, e.g. `speculative_generate(..., steps=FixedSteps("native"))`."""
+
+    def __init__(self, mode: str | None = None):
+        if mode is not None and mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode = mode
+
+    def capacity(self, length: int, max_seq_len: int) -> int:
+        return fixed_capacity(length, max_seq_len)
+
+    def __call__(self, model, cache: KVCache, T: int) -> FixedShapes:
+        return FixedShapes(model, cache, T, self.mode)
 
 
 @torch.inference_mode()
@@ -317,9 +335,11 @@ def step_stream(
     mode cannot run is refused before the first token. Greedy gives `generate`'s tokens; sampled, the
     same draws from logits equal to float32 rounding.
     """
-    from ..sampling import _prepare, sample_next_token
+    from cs336_inference.sampling import prepare_prompts, sample_next_token
 
-    ids, _, single = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p)  # checks all
+    ids, _, single = prepare_prompts(
+        model, prompt_ids, max_new_tokens, temperature, top_k, top_p
+    )  # checks all
     if not single:
         raise ValueError("step_stream takes one prompt (a 1-D tensor or a list of ints)")
     device = ids.device

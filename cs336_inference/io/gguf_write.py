@@ -32,9 +32,10 @@ from einops import rearrange
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from torch import Tensor, nn
 
-from cs336_inference.gguf_io import ours_to_gguf
+from cs336_inference.io.gguf_read import ours_to_gguf
 from cs336_inference.layers import Embedding, Linear, RMSNorm
 from cs336_inference.quantization import QuantizedEmbedding, QuantizedLinear, quantize_model, quantized_layers
+from cs336_inference.quantization.llm_int8 import LLMInt8Linear
 
 QTYPES = {
     "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
@@ -78,10 +79,10 @@ def _tensor(module: nn.Module, qtype: str, name: str) -> tuple[np.ndarray, GGMLQ
     ggml_type = QTYPES[qtype][0]
     layer = module.table if isinstance(module, QuantizedEmbedding) else module
     if isinstance(layer, QuantizedLinear):
-        if layer.fmt == qtype and type(layer) is QuantizedLinear:
+        if layer.fmt == qtype and not isinstance(layer, LLMInt8Linear):
             return layer.qweight.detach().cpu().numpy(), ggml_type
         if qtype not in ("f32", "f16"):
-            kind = "llm_int8" if type(layer) is not QuantizedLinear else layer.fmt
+            kind = "llm_int8" if isinstance(layer, LLMInt8Linear) else layer.fmt
             raise ValueError(
                 f"{name} is stored as {kind}, which llama.cpp cannot read as {qtype}; export this model "
                 f"as f32 / f16 (dequantized), or quantize the float model as {qtype}"

@@ -1,7 +1,7 @@
 /* int4 and int8 products on Intel AMX tiles (opt-in: CS336_KERNELS_AMX=1): many rows for the price of one.
 
    Why: with fp32 FMAs every extra row of x costs one multiply-add per weight, so a 17-row verify
-   pass of quantized SmolLM2 costs several one-token steps (README, "Decode kernels"). AMX's tile unit
+   pass of quantized SmolLM2 costs several one-token steps (docs/kernels.md). AMX's tile unit
    (TDPBF16PS) multiplies a 16 x 32 bf16 tile by a 32 x 16 one in about the time an AVX-512 core
    spends on 32 fp32 FMAs, whatever the number of rows up to 16.
 
@@ -26,8 +26,8 @@
 
    When to use it: at one row the tile unit gains nothing, and decoding to bf16 tiles (plus int4's
    per-group scaling) costs more than the AVX-512 kernels' fp32 FMAs: the native SmolLM2 step takes
-   1.2x (int4) and 1.5x (int8) as long, while a 17-token one takes 0.43x and 0.58x (README, "Decode
-   kernels", stop 25). So it is off by default; with it on, every product of
+   1.2x (int4) and 1.5x (int8) as long, while a 17-token one takes 0.43x and 0.58x (docs/kernels.md,
+   Intel Xeon with AMX). So it is off by default; with it on, every product of
    those formats at every M takes this path, so that a verify pass keeps the bits of the one-token
    steps. Shapes it does not cover (outputs not a multiple of 32; int8 inputs or int4 groups not a
    multiple of 64) and CPUs without AMX keep decode.c's kernels.

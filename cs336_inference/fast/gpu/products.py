@@ -1,7 +1,7 @@
 """The GPU decode path, after gpt-fast: weight-only int8 and int4 products that read the stored bytes.
 
 int8 (per-channel scale): y = (x q^T) * scale. For bf16 / fp16 x of up to 32 rows, a Triton kernel
-(kernels/triton_int8.py) reads q once; otherwise torch's `_weight_int8pack_mm` where this torch has
+(fast/gpu/triton_int8.py) reads q once; otherwise torch's `_weight_int8pack_mm` where this torch has
 it for CUDA; otherwise q is cast to x's dtype inside the product (gpt-fast's WeightOnlyInt8Linear,
 which relies on torch.compile to fuse the cast; eager, the cast is a bf16 copy of the weight).
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .triton_int8 import int8_linear
+from cs336_inference.fast.gpu.triton_int8 import int8_linear
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)
 _INT8PACK_ON_CUDA: bool | None = None  # does this torch have _weight_int8pack_mm for CUDA?
@@ -69,7 +69,7 @@ def _tinygemm_weights(layer) -> tuple[Tensor, Tensor, int] | None:
     ktiles = next((t for t in (8, 4, 2) if d_in % (16 * t) == 0), None)
     if g not in TINYGEMM_GROUPS or ktiles is None or d_out % 8 or d_in % g:
         return None
-    from ..quantization.int4 import unpack_int4
+    from cs336_inference.quantization.int4 import unpack_int4
 
     q = unpack_int4(layer.qweight)  # [O, I] values 0..15
     packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), ktiles)

@@ -4,7 +4,7 @@ Every function returns None (the caller runs its readable PyTorch path) unless t
 built and the call is a decode shape they handle: float32 x on the CPU with 1..MAX_ROWS rows, no
 autograd graph to build. The checks are kept cheap: a decode step of SmolLM2 makes 211 calls.
 
-Under torch.compile (kernels/graphs.py compiles the fixed-shape decode step) the same calls go
+Under torch.compile (fast/step/fixed.py compiles the fixed-shape decode step) the same calls go
 through the ops `cs336::linear_f32`, `cs336::quantized` and `cs336::llm_int8`, which the compiler keeps as
 opaque calls (ctypes and data pointers cannot be traced); eagerly the C function is called directly,
 since a custom op's dispatch costs more than the call itself.
@@ -20,13 +20,13 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from . import build
-from .cuda import quantized_cuda
+from cs336_inference.fast.cpu import build
+from cs336_inference.fast.gpu.products import quantized_cuda
 
 MAX_ROWS = 32  # more fp32 rows (prefill) stay on BLAS; 32 = MAX_M of decode.c
 # Quantized layers run a short prefill through the kernels too, MAX_ROWS rows per call: the readable
 # path dequantizes every weight on every call first, which BLAS wins back only on long
-# prompts (README, "Decode kernels": the measurement and its snippet).
+# prompts (docs/kernels.md: the measurement and its snippet).
 QUANTIZED_MAX_ROWS = 96
 GGML = {"q8_0": 3, "q4_0": 4, "q4_1": 5}  # the format codes of decode.c
 
@@ -85,7 +85,7 @@ def fma_per_second(threads: int | None = None) -> float | None:
     return None if lib is None else lib.cs336_fma_rate(threads or torch.get_num_threads(), 1_000_000)
 
 
-# The ops a compiled step calls (kernels/graphs.py), registered with the low-level torch.library API:
+# The ops a compiled step calls (fast/step/fixed.py), registered with the low-level torch.library API:
 # torch.library.custom_op would add an autograd layer to every call (about 8 us of the ~30 us a call
 # costs, measured), and these run only under inference mode. Each has a fake (shape-only) version
 # for the compiler's tracing.
@@ -110,7 +110,7 @@ def _fake_linear_f32(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 def quantized_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"] | None:
     """The KERNELS entry of quantization.linear: y = x dequantize(stored)^T + b from the stored bytes."""
     q = layer.qweight
-    if q.device.type != "cpu":  # the GPU path (kernels/cuda.py) needs no build
+    if q.device.type != "cpu":  # the GPU path (fast/gpu/products.py) needs no build
         cuda = q.device.type == "cuda" and build.enabled() and layer.activations is None
         return quantized_cuda(layer, x) if cuda else None
     lib = build.library()
@@ -127,7 +127,7 @@ def quantized_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"]
         return None
     if layer.activations is not None and compiling:  # no compiled op for these: the reference is traced
         return None
-    siblings = getattr(layer, "siblings", None)  # q/k/v or gate/up as one product (kernels/fuse.py)
+    siblings = getattr(layer, "siblings", None)  # q/k/v or gate/up as one product (fast/step/fuse.py)
     if siblings is not None:
         return siblings.output(layer, x)
     scale, zero = getattr(layer, "scale", None), getattr(layer, "zero", None)
@@ -270,7 +270,7 @@ def load_native() -> bool:
                 _native = True
             except Exception as e:  # no ninja, no headers, a failed build
                 print(
-                    f"cs336_inference.kernels: C++ op bodies not built ({' '.join(str(e).split())[:200]}); "
+                    f"cs336_inference.fast: C++ op bodies not built ({' '.join(str(e).split())[:200]}); "
                     "compiled steps call the Python bodies",
                     file=sys.stderr,
                 )

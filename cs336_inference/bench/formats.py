@@ -1,9 +1,9 @@
 """Decode speed per weight format, in one interleaved run: does fewer bytes buy speed?
 
 For one checkpoint, greedy, batch 1: our decode tokens/s in fp32 and each quantized format (the
-decode kernels of cs336_inference/kernels doing the products), transformers' `generate` on the
+decode kernels of cs336_inference/fast doing the products), transformers' `generate` on the
 same fp32 weights, and llama.cpp (llama-cpp-python, optional) on GGUF files of the same weights
-that we write ourselves (checkpoint.save_gguf). Runs are interleaved round by round (every
+that we write ourselves (io.gguf_write.save_gguf). Runs are interleaved round by round (every
 contender once per round, medians over rounds), so load on a shared machine hits all of them alike.
 
 Next to each: bytes read per decode step (weights as stored + the KV cache at the average context),
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from . import accounting as acc
-from .model import TransformerLM
-from .timing import interleaved_rounds, read_bandwidth
+from cs336_inference import accounting as acc
+from cs336_inference.bench.timing import interleaved_rounds, read_bandwidth
+from cs336_inference.model import TransformerLM
 
 Log = Callable[[str], None]
 T_SIZES = (1, 2, 5, 9, 17)
@@ -36,7 +36,7 @@ LLAMA_CPP_TYPES = {"fp32": "f32", "q8_0": "q8_0", "q4_0": "q4_0"}
 LLAMA_CPP_HINT = (
     "llama.cpp skipped: llama-cpp-python is not installed (no binary wheel on PyPI: "
     "`pip install llama-cpp-python` compiles llama.cpp, about 15 minutes on 2 cores with cmake and a C++ "
-    "compiler; on a CPU with AMX, build it without AMX, see the README's 'Decode kernels')"
+    "compiler; on a CPU with AMX, build it without AMX, see docs/kernels.md)"
 )
 
 
@@ -52,7 +52,7 @@ def cpu_name() -> str:
 
 def weight_bytes(model: TransformerLM) -> int:
     """Bytes of weights a decode step reads: everything stored once (tied table once)."""
-    from .quantization import model_nbytes
+    from cs336_inference.quantization import model_nbytes
 
     lookup_only = (
         0 if model.lm_head is None else model.embed.weight.numel() * model.embed.weight.element_size()
@@ -64,13 +64,13 @@ def weight_bytes(model: TransformerLM) -> int:
 def decode_seconds(model: TransformerLM, prompt: torch.Tensor, n: int, step_mode: str | None = None) -> float:
     """Seconds per decode step over n greedy steps after the prefill (argmax, no sampling overhead).
 
-    step_mode "compile" / "native": the steps run kernels/graphs.py's fixed-shape step, under
+    step_mode "compile" / "native": the steps run fast/step/fixed.py's fixed-shape step, under
     torch.compile (its first call compiles, once per process and model) or with the decoder layers
-    in one C call (kernels/native_step.py); its first step is made before the clock starts."""
+    in one C call (fast/step/native.py); its first step is made before the clock starts."""
     cache = model.new_cache(1, len(prompt) + n + 2)
     token = model(prompt[None], cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
     if step_mode is not None:
-        from .kernels.graphs import FixedStep
+        from cs336_inference.fast.step.fixed import FixedStep
 
         step = FixedStep(model, cache, step_mode)
         token = step(token[:, 0]).argmax(-1, keepdim=True)
@@ -94,7 +94,7 @@ def _timed_forward(
     model(prompt[None], cache=cache)
     ids = prompt[None, :T]
     if step_mode is not None:
-        from .kernels.graphs import FixedStep
+        from cs336_inference.fast.step.fixed import FixedStep
 
         step = FixedStep(model, cache, step_mode, T)
         forward = lambda: step(ids)  # noqa: E731
@@ -158,7 +158,7 @@ def load_llama_cpp(model: TransformerLM, qtype: str, workdir: Path, log: Log, gg
         from llama_cpp import Llama
     except ImportError:
         return None
-    from .checkpoint import save_gguf
+    from cs336_inference.io.gguf_write import save_gguf
 
     path = workdir / f"model-{qtype}.gguf"
     save_gguf(model, path, qtype=qtype, source=gguf_source)
@@ -197,15 +197,16 @@ def format_benchmark(
     format too (as llama.cpp's files do); otherwise it stays float32, a quarter of the int8 model's
     bytes per step. gguf_source: the GGUF file the model came from (llama.cpp's rows take its tokenizer;
     without one they are skipped). compiled / native: rows "ours FMT compiled" / "ours FMT native"
-    with kernels/graphs.py's fixed-shape step in that mode; native also measures the T-token
+    with fast/step/fixed.py's fixed-shape step in that mode; native also measures the T-token
     costs of its T-token steps ("t_token_cost_native"). amx (with native): rows "ours FMT native amx"
-    for int8 and int4 with their products on AMX tiles (kernels/amx.c, switched on around each of
+    for int8 and int4 with their products on AMX tiles (fast/cpu/amx.c, switched on around each of
     those timings only), and their T-token costs ("t_token_cost_native_amx")."""
-    from . import kernels
-    from .quantization import quantize_model
+    from cs336_inference.fast import cpu as kernels
+    from cs336_inference.fast import install
+    from cs336_inference.quantization import quantize_model
 
-    models = {
-        fmt: model if fmt == "fp32" else quantize_model(model, fmt, quantize_head=quantize_head)
+    models = {  # each through the fast path (the kernels), as the CLI runs it
+        fmt: install(model if fmt == "fp32" else quantize_model(model, fmt, quantize_head=quantize_head))
         for fmt in formats
     }
     bandwidth = read_bandwidth(max(weight_bytes(model), 64 * 2**20), repeats=7)
@@ -336,12 +337,12 @@ def format_benchmark(
     }
 
 
-AMX_FORMATS = ("int8", "int4")  # the formats kernels/amx.c runs
+AMX_FORMATS = ("int8", "int4")  # the formats fast/cpu/amx.c runs
 
 
 def on_amx(fn, *args):
     """fn(*args) with the int8 / int4 products on AMX tiles, the switch as it was afterwards."""
-    from .kernels import build
+    from cs336_inference.fast.cpu import build
 
     with build.amx_switched_on():
         return fn(*args)

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ..quantization import QuantizedLinear
-from . import build, ops
+from cs336_inference.fast.cpu import build, ops
+from cs336_inference.quantization import QuantizedLinear
 
 SMOLLM2_PRODUCTS = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 FORMATS = ("fp32", "int8", "int4", "q8_0", "q4_0", "q4_1")
@@ -146,8 +146,8 @@ def compare_passes(
     """Medians of `rounds` alternating rounds: one native T-token pass against a cache holding a
     prompt, per format (the output matrix quantized too) and T, with cs336_layers from each build;
     "same" says whether the two gave identical logits; "cost" is each build's pass over its T = 1."""
-    from ..quantization import quantize_model
-    from .graphs import FixedStep
+    from cs336_inference.fast.step.fixed import FixedStep
+    from cs336_inference.quantization import quantize_model
 
     prompt = torch.randint(
         0, model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)

@@ -9,32 +9,36 @@ candidate runs over a ring of copies of the weight (RING_BYTES in all, at most R
 decode step reads its weights: one after another, not one small matrix called again and again from
 the core's own cache.
 Our kernel is kept unless torch is more than OURS_MARGIN faster: with it a row's result does not
-depend on the number of rows (below), and at several rows it streams better than BLAS (on SmolLM2,
-Intel Xeon, stop 21: the fp32 5-token forward went from 1.50x to 1.33x a one-token step, the
-compiled step from 40.6 to 43.1 tok/s; README, "Decode kernels"), while the per-shape totals of the
-two were within a few percent of each other, either way from run to run.
+depend on the number of rows (below), and at several rows it streams better than BLAS (SmolLM2's
+fp32 multi-token forwards; docs/kernels.md), while the per-shape totals of the two measure within a
+few percent of each other, either way from run to run.
 
 One product per shape for every M in 1..32, never a switch between M = 1 and M = 2: with our
 kernel, a row's result is then bitwise the same whatever the number of rows (what speculative
 verification relies on); BLAS gives no such promise.
 
 CS336_KERNELS_FP32=ours | torch | auto (default) forces the product (the layout is still measured).
+Plans are kept in a file between processes (`plans_file`), so only a machine's first run pays for
+the timing.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import build
-from .ops import MAX_ROWS, linear_fp32
+from cs336_inference.fast.cpu import build
+from cs336_inference.fast.cpu.ops import MAX_ROWS, linear_fp32
 
 _plans: dict[tuple[int, int, int, str], Plan] = {}
 _latest: dict[tuple[int, int], Plan] = {}  # the plan last used per shape (what a compiled step reads)
@@ -100,11 +104,58 @@ def _key(d_out: int, d_in: int) -> tuple[int, int, int, str]:
     return (d_out, d_in, torch.get_num_threads(), os.environ.get("CS336_KERNELS_FP32", "auto"))
 
 
+def plans_file() -> Path | None:
+    """Where measured plans are kept between processes: $CS336_AUTOTUNE_CACHE (0: nowhere), by default
+    autotune.json beside the built kernels. A plan is keyed by the CPU, torch, threads and shape."""
+    where = os.environ.get("CS336_AUTOTUNE_CACHE")
+    if where == "0":
+        return None
+    return Path(where) if where else build.cache_dir() / "autotune.json"
+
+
+def _file_key(key: tuple[int, int, int, str]) -> str:
+    d_out, d_in, threads, force = key
+    cpu = hashlib.sha256(build._cpu_fingerprint().encode()).hexdigest()[:16]
+    return f"cpu {cpu}, torch {torch.__version__}, {threads} threads, {force}, {d_out}x{d_in}"
+
+
+def _read_plans(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_plan(path: Path, name: str, p: Plan) -> None:
+    """Add one plan to the file (written whole to a temporary file, then renamed into place)."""
+    saved = _read_plans(path)
+    saved[name] = {"layout": p.layout, "product": p.product, "seconds": p.seconds}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(saved, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: plans are measured again next time
+
+
 def plan(d_out: int, d_in: int) -> Plan:
+    """The plan for this shape: from this process, else from the plans file, else measured (and saved)."""
     key = _key(d_out, d_in)
     if key not in _plans:
-        force = key[3]
-        _plans[key] = measure(d_out, d_in, force if build.library() is not None else "torch")
+        force = key[3] if build.library() is not None else "torch"
+        path = plans_file()
+        saved = None if path is None else _read_plans(path).get(_file_key(key))
+        if (
+            saved is not None
+            and saved.get("product") in ("ours", "torch")
+            and saved.get("layout") in ("rows", "cols")
+        ):
+            _plans[key] = Plan(saved["layout"], saved["product"], dict(saved.get("seconds", {})))
+        else:
+            _plans[key] = measure(d_out, d_in, force)
+            if path is not None:
+                _write_plan(path, _file_key(key), _plans[key])
     _latest[(d_out, d_in)] = _plans[key]
     return _plans[key]
 
@@ -125,7 +176,7 @@ def decode_linear(layer, x: Tensor) -> Tensor | None:
         or build.library() is None
     ):
         return None
-    siblings = getattr(layer, "siblings", None)  # q/k/v or gate/up as one product (kernels/fuse.py)
+    siblings = getattr(layer, "siblings", None)  # q/k/v or gate/up as one product (fast/step/fuse.py)
     if siblings is not None:
         return siblings.output(layer, x)
     if torch.compiler.is_compiling():  # the plan and the layout were settled by an eager call

@@ -1,0 +1,112 @@
+"""The fast path (staff code): the same model, run by kernels instead of the readable PyTorch.
+
+Nothing in the model imports this package. A loaded model gets the fast path by one call,
+
+    from cs336_inference.fast import install
+    install(model)   # its Linear / QuantizedLinear / LLMInt8Linear layers now try the kernels first
+
+and `scripts/generate.py`, `scripts/serve.py` and `scripts/benchmark.py` make that call by default
+(`--eager` opts out). An installed layer computes the same function as the readable one: it runs a
+kernel for the shapes the kernels handle and falls back to the readable forward otherwise.
+
+Decode reads every weight once per step for a few FLOPs per byte, so its speed is bytes over
+bandwidth, and a product must (1) read the stored weight (int8, int4, llama.cpp blocks) without
+first dequantizing it to float32, and (2) run all the rows of a short call (a speculative
+verification, a small batch) against one read of the weight. The readable references
+(layers.Linear, quantization/linear.py) do neither; the kernels do both, and give each row a result
+bitwise independent of how many rows share the call.
+
+cpu/        products of 1..32 rows in C (decode.c: fp32, int8, int4, Q8_0/Q4_0/Q4_1 weights, int8 x int8,
+            4/8-bit blocks x Q8_0 activations; amx.c: int8/int4 on Intel AMX tiles, opt-in), built on
+            first use with gcc (build.py), called through ctypes (ops.py); native.cpp: the same ops as
+            C++ bodies for a compiled step. No compiler, a failed build or CS336_KERNELS=0: the
+            readable path runs.
+gpu/        weight-only products for bf16 activations on CUDA: int4 through tinygemm, int8 in Triton
+step/       whole decode steps of fixed shapes: fixed.py (`FixedStep`: a CUDA graph, torch.compile on
+            the CPU, eager, or native), native.py + cpu/step.c (every decoder layer in one C call),
+            fuse.py (q/k/v and gate/up as one product)
+autotune.py the fp32 product and weight layout of each shape, chosen by timing the candidates
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from cs336_inference.fast.autotune import decode_linear
+from cs336_inference.fast.cpu.ops import MAX_ROWS, llm_int8_linear, quantized_linear
+from cs336_inference.layers import Linear
+from cs336_inference.quantization.linear import QuantizedLinear
+from cs336_inference.quantization.llm_int8 import LLMInt8Linear
+
+
+class FastLinear(Linear):
+    """A Linear whose decode-shaped calls (1..32 rows) take the planned fp32 product (autotune.py)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.numel() <= MAX_ROWS * x.shape[-1]:
+            y = decode_linear(self, x)
+            if y is not None:
+                return y
+        return F.linear(x, self.weight, self.bias)
+
+
+class FastQuantizedLinear(QuantizedLinear):
+    """A QuantizedLinear that multiplies from the stored bytes (cpu/ops.py, gpu/) where it can."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = quantized_linear(self, x)
+        return super().forward(x) if y is None else y
+
+
+class FastLLMInt8Linear(LLMInt8Linear):
+    """LLM.int8() with its int8 product in C (the same numbers as the readable forward)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = llm_int8_linear(self, x)
+        return super().forward(x) if y is None else y
+
+
+FAST = {Linear: FastLinear, QuantizedLinear: FastQuantizedLinear, LLMInt8Linear: FastLLMInt8Linear}
+READABLE = {fast: readable for readable, fast in FAST.items()}
+
+
+def readable_type(layer: nn.Module) -> type:
+    """The readable class of a layer, installed or not (FastLinear -> Linear)."""
+    return READABLE.get(type(layer), type(layer))
+
+
+def install(model: nn.Module) -> nn.Module:
+    """Put the fast path onto a loaded model, in place (and return it): each layer of a readable class
+    becomes its fast subclass (same parameters, buffers and state dict). Idempotent. A layer made
+    afterwards (say by `quantize_model`, which builds new layers) is readable until installed again."""
+    for module in model.modules():
+        fast = FAST.get(type(module))
+        if fast is not None:
+            module.__class__ = fast
+    return model
+
+
+def uninstall(model: nn.Module) -> nn.Module:
+    """The readable layers again, in place (and return the model)."""
+    for module in model.modules():
+        readable = READABLE.get(type(module))
+        if readable is not None:
+            module.__class__ = readable
+    return model
+
+
+def installed(model: nn.Module) -> bool:
+    """Whether any layer of the model runs the fast path."""
+    return any(type(m) in READABLE for m in model.modules())
+
+
+__all__ = [
+    "FastLinear",
+    "FastLLMInt8Linear",
+    "FastQuantizedLinear",
+    "install",
+    "installed",
+    "readable_type",
+    "uninstall",
+]

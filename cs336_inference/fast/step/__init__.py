@@ -1,0 +1,1 @@
+"""Whole decode steps of fixed shapes (staff code): compiled, CUDA-graph, eager or native (one C call)."""
