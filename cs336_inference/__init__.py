@@ -6,12 +6,13 @@ from cs336_inference.io.tokenizer import load_tokenizer
 from .config import ConfigError, ModelConfig
 from .kv_cache import KVCache
 from .model import TransformerLM
-from .sampling import generate, naive_generate, stream_generate
+from .sampling import SamplingParams, generate, naive_generate, stream_generate
 
 __all__ = [
     "ConfigError",
     "KVCache",
     "ModelConfig",
+    "SamplingParams",
     "TransformerLM",
     "generate",
     "load_pretrained",

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields
 
 import torch
 from jaxtyping import Float, Int
@@ -117,8 +118,8 @@ def check_sampling_args(
     max_new_tokens: int | None = None,
 ) -> None:
     """Raise ValueError (one line) for a parameter outside its range."""
-    if not temperature >= 0.0:  # also catches NaN
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0.0 <= temperature < float("inf"):  # also catches NaN
+        raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {temperature}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be an integer >= 1, got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
@@ -129,6 +130,57 @@ def check_sampling_args(
         or max_new_tokens < 1
     ):
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How to pick new tokens: the one type `generate`, `stream_generate`, `speculative_generate`, the
+    serving engine, the HTTP server and the CLI take. `validate()` is the one place they are checked.
+
+    max_new_tokens: at most this many new tokens. temperature: 0 = greedy. top_k / top_p: None = off.
+    seed: a seeded generator makes sampling reproducible (None: the global RNG). stop_token_ids: a row
+    ends after producing one of them (it is kept); None = the model config's EOS ids, () = never early.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_token_ids: Sequence[int] | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError (one line) for a setting outside its range."""
+        check_sampling_args(self.temperature, self.top_k, self.top_p, self.max_new_tokens)
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
+        ):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        stops = self.stop_token_ids
+        if stops is not None and any(
+            isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in stops
+        ):
+            raise ValueError(f"stop_token_ids must be integers, got {stops!r}")
+
+    def stops(self, config) -> tuple[int, ...]:
+        """The stop ids in effect for a model with this config."""
+        return tuple(config.eos_token_ids if self.stop_token_ids is None else self.stop_token_ids)
+
+
+def sampling_params(params: SamplingParams | None, **settings) -> SamplingParams:
+    """params if given (then every keyword setting must be left at its default), else the settings as
+    SamplingParams; validated either way. What the functions taking both spellings call first."""
+    if params is None:
+        params = SamplingParams(**settings)
+    else:
+        defaults = {f.name: f.default for f in fields(SamplingParams)}
+        changed = sorted(name for name, value in settings.items() if value != defaults[name])
+        if changed:
+            raise ValueError(
+                f"give the sampling settings as params or as keywords, not both ({', '.join(changed)})"
+            )
+    params.validate()
+    return params
 
 
 # ------------------------------------------------------------------ prompts and padding
@@ -216,13 +268,11 @@ def cached_steps(
 
 
 def prepare_prompts(
-    model, prompt_ids: Prompt, max_new_tokens: int, temperature: float, top_k, top_p
+    model, prompt_ids: Prompt, max_new_tokens: int
 ) -> tuple[Int[Tensor, "B P"], Int[Tensor, " B"] | None, bool]:
-    """Validate arguments and prompts; return left-padded ids, pad (None if no row is padded), single.
-
-    Everything is checked here, before anything of size max_new_tokens is allocated.
+    """Check the prompts against the model; return left-padded ids, pad (None if no row is padded),
+    single. Before anything of size max_new_tokens is allocated (the settings: SamplingParams.validate).
     """
-    check_sampling_args(temperature, top_k, top_p, max_new_tokens)
     prompts, single = as_prompt_list(prompt_ids)
     cfg = model.config
     for p in prompts:
@@ -253,33 +303,33 @@ def generate_steps(
     top_p: float | None = None,
     seed: int | None = None,
     use_cache: bool = True,
+    params: SamplingParams | None = None,
 ) -> Iterator[tuple[Int[Tensor, " B"], Float[Tensor, "B V"]]]:
     """The low-level loop: yields (tokens [B], logits [B, V]) for each of max_new_tokens steps.
 
     No stopping here (rows keep going after a stop token); generate / stream_generate handle that.
     For one prompt B = 1. Bad arguments raise ValueError here, at the call, not at the first step.
     """
-    ids, pad, _ = prepare_prompts(model, prompt_ids, max_new_tokens, temperature, top_k, top_p)
-    return _run_steps(model, ids, pad, int(max_new_tokens), temperature, top_k, top_p, seed, use_cache)
+    params = sampling_params(
+        params, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
+    )
+    ids, pad, _ = prepare_prompts(model, prompt_ids, params.max_new_tokens)
+    return _run_steps(model, ids, pad, params, use_cache)
 
 
 @torch.inference_mode()
 def _run_steps(
-    model, ids, pad, max_new_tokens: int, temperature: float, top_k, top_p, seed, use_cache: bool
+    model, ids, pad, params: SamplingParams, use_cache: bool
 ) -> Iterator[tuple[Int[Tensor, " B"], Float[Tensor, "B V"]]]:
     generator = None
-    if seed is not None:
-        generator = torch.Generator(device=ids.device).manual_seed(seed)
+    if params.seed is not None:
+        generator = torch.Generator(device=ids.device).manual_seed(params.seed)
 
     def next_token(logits: Float[Tensor, "B V"]) -> Int[Tensor, " B"]:
-        return sample_next_token(logits, temperature, top_k, top_p, generator)
+        return sample_next_token(logits, params.temperature, params.top_k, params.top_p, generator)
 
     steps = cached_steps if use_cache else naive_steps
-    yield from steps(model, ids, pad, max_new_tokens, next_token)
-
-
-def _stop_ids(model, stop_token_ids: Sequence[int] | None) -> list[int]:
-    return list(model.config.eos_token_ids) if stop_token_ids is None else list(stop_token_ids)
+    yield from steps(model, ids, pad, int(params.max_new_tokens), next_token)
 
 
 @torch.inference_mode()
@@ -294,19 +344,25 @@ def generate(
     use_cache: bool = True,
     stop_token_ids: Sequence[int] | None = None,
     return_logits: bool = False,
+    params: SamplingParams | None = None,
 ):
     """Generate up to max_new_tokens new tokens per prompt (see the module docstring for shapes).
 
-    use_cache=False runs the naive loop. stop_token_ids=None stops at the config's EOS ids; pass []
-    to always generate max_new_tokens. With return_logits=True returns (tokens, logits) where each
-    row's logits are Float[n_new, V], the distribution each new token was sampled from (before
-    temperature and filtering).
+    The settings come as keywords or as one SamplingParams (params=), not both. use_cache=False runs
+    the naive loop. stop_token_ids=None stops at the config's EOS ids; pass [] to always generate
+    max_new_tokens. With return_logits=True returns (tokens, logits) where each row's logits are
+    Float[n_new, V], the distribution each new token was sampled from (before temperature and
+    filtering).
     """
+    params = sampling_params(
+        params, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        stop_token_ids=stop_token_ids,
+    )  # fmt: skip
     prompts, single = as_prompt_list(prompt_ids)
-    stops = torch.tensor(_stop_ids(model, stop_token_ids), dtype=torch.long)
-    # validates every argument (a ValueError) before the buffers below are sized by max_new_tokens
-    steps = generate_steps(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, use_cache)
-    max_new_tokens = int(max_new_tokens)
+    stops = torch.tensor(params.stops(model.config), dtype=torch.long)
+    # checks the prompts (a ValueError) before the buffers below are sized by max_new_tokens
+    steps = generate_steps(model, prompts, use_cache=use_cache, params=params)
+    max_new_tokens = int(params.max_new_tokens)
     B = len(prompts)
     device = model.embed.weight.device
     stops = stops.to(device)
@@ -348,17 +404,22 @@ def stream_generate(
     seed: int | None = None,
     use_cache: bool = True,
     stop_token_ids: Sequence[int] | None = None,
+    params: SamplingParams | None = None,
 ) -> Iterator[int]:
     """Yield the new token ids of one prompt as they are produced (a stop token is yielded, then it ends).
 
-    Bad arguments raise ValueError at the call, before the first token is asked for.
+    Settings as generate's (keywords or params=). Bad arguments raise ValueError at the call, before
+    the first token is asked for.
     """
+    params = sampling_params(
+        params, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        stop_token_ids=stop_token_ids,
+    )  # fmt: skip
     prompts, single = as_prompt_list(prompt_ids)
     if not single:
         raise ValueError("stream_generate takes one prompt (a 1-D tensor or a list of ints)")
-    stops = set(_stop_ids(model, stop_token_ids))
-    steps = generate_steps(model, prompts[0], max_new_tokens, temperature, top_k, top_p, seed, use_cache)
-    return _stream(steps, stops)
+    steps = generate_steps(model, prompts[0], use_cache=use_cache, params=params)
+    return _stream(steps, set(params.stops(model.config)))
 
 
 def _stream(steps: Iterator[tuple[Tensor, Tensor]], stops: set[int]) -> Iterator[int]:

@@ -35,7 +35,14 @@ from torch import Tensor
 
 from .kv_cache import KVCache, RingKVCache
 from .model import TransformerLM
-from .sampling import apply_temperature, as_prompt_list, check_sampling_args, top_k_filter, top_p_filter
+from .sampling import (
+    SamplingParams,
+    apply_temperature,
+    as_prompt_list,
+    sampling_params,
+    top_k_filter,
+    top_p_filter,
+)
 
 
 # ------------------------------------------------------------------ distributions
@@ -135,16 +142,6 @@ def verify_drafts(
 
 
 # ------------------------------------------------------------------ drafts
-@dataclass
-class Sampling:
-    """Sampling settings shared by draft and target (p and q must be the distributions sampled)."""
-
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    generator: torch.Generator | None = None
-
-
 class Draft(Protocol):
     """What speculative_generate needs from a draft."""
 
@@ -152,7 +149,11 @@ class Draft(Protocol):
         """Forget everything; the next context has at most `capacity` tokens, rounds draft <= k."""
 
     def propose(
-        self, context: Int[Tensor, " S"], k: int, sampling: Sampling
+        self,
+        context: Int[Tensor, " S"],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
     ) -> tuple[Int[Tensor, " k2"], Float[Tensor, "k2 V"] | None]:
         """Up to k tokens to follow `context`, and the distributions they were drawn from.
 
@@ -193,7 +194,13 @@ class NGramDraft:
     def reset(self, capacity: int, k: int) -> None:
         pass
 
-    def propose(self, context: Int[Tensor, " S"], k: int, sampling: Sampling) -> tuple[Tensor, None]:
+    def propose(
+        self,
+        context: Int[Tensor, " S"],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, None]:
         tokens = prompt_lookup(context.tolist(), k, self.n_max, self.n_min)
         return torch.tensor(tokens, dtype=torch.long, device=context.device), None
 
@@ -261,7 +268,13 @@ class ModelDraft:
             self.forward = self.steps(self.model, cache, 1)
 
     @torch.inference_mode()
-    def propose(self, context: Int[Tensor, " S"], k: int, sampling: Sampling) -> tuple[Tensor, Tensor | None]:
+    def propose(
+        self,
+        context: Int[Tensor, " S"],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
         cache = self.cache
         if cache is None:
             raise ValueError(
@@ -278,15 +291,15 @@ class ModelDraft:
             keep = int((fed[:n] == context[:n]).long().cumprod(dim=0).sum())
             cache.truncate(keep)
             new = context[keep:]
-        greedy = sampling.temperature == 0.0
+        greedy = params.temperature == 0.0
         tokens, probs = [], []
         for i in range(k):
             logits = self.forward(new[None], cache=cache, last_only=True)[0, -1]
             if greedy:
                 token = logits.argmax()[None]
             else:
-                p = sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-                token = torch.multinomial(p[None], 1, generator=sampling.generator)[0]
+                p = sampling_probs(logits, params.temperature, params.top_k, params.top_p)
+                token = torch.multinomial(p[None], 1, generator=generator)[0]
                 probs.append(p)
             tokens.append(token)
             if i + 1 < k:
@@ -371,8 +384,7 @@ def check_rollback(cache: KVCache, k: int) -> None:
             )
 
 
-def _check_args(target, draft, prompt_ids, max_new_tokens, k, temperature, top_k, top_p) -> Tensor:
-    check_sampling_args(temperature, top_k, top_p, max_new_tokens)
+def _check_args(target, draft, prompt_ids, max_new_tokens: int, k) -> Tensor:
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
         raise ValueError(f"k (drafted tokens per round) must be an integer >= 1, got {k!r}")
     if not isinstance(target, TransformerLM):
@@ -428,24 +440,30 @@ def speculative_stream(
     stop_token_ids: Sequence[int] | None = None,
     stats: SpeculativeStats | None = None,
     steps: Steps | None = None,
+    params: SamplingParams | None = None,
 ) -> Iterator[int]:
     """Yield the new token ids one by one as each round emits them (a stop token is yielded, then it
-    ends); `stats`, if given, is filled in as it goes. Arguments are checked at the call."""
-    ids = _check_args(target, draft, prompt_ids, max_new_tokens, k, temperature, top_k, top_p)
-    stops = set(target.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    ends); `stats`, if given, is filled in as it goes. Arguments are checked at the call; the settings
+    come as keywords or as one SamplingParams (params=), as generate's."""
+    params = sampling_params(
+        params, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        stop_token_ids=stop_token_ids,
+    )  # fmt: skip
+    ids = _check_args(target, draft, prompt_ids, int(params.max_new_tokens), k)
     stats = SpeculativeStats(k=k) if stats is None else stats
     stats.k = k
-    sampling = Sampling(temperature, top_k, top_p)
     drafter = as_draft(draft, steps)
-    return _rounds(target, drafter, ids, int(max_new_tokens), k, sampling, seed, stops, stats, steps)
+    return _rounds(target, drafter, ids, k, params, stats, steps)
 
 
 @torch.inference_mode()
-def _rounds(target, drafter, ids, max_new_tokens, k, sampling, seed, stops, stats, steps) -> Iterator[int]:
+def _rounds(target, drafter, ids, k, params: SamplingParams, stats, steps) -> Iterator[int]:
     P, device = len(ids), ids.device
+    max_new_tokens, stops = int(params.max_new_tokens), set(params.stops(target.config))
     # a seeded generator reproduces the draws; greedy draws nothing that matters, so keep the global RNG
-    if seed is not None or sampling.temperature == 0.0:
-        sampling.generator = torch.Generator(device=device).manual_seed(0 if seed is None else seed)
+    generator = None
+    if params.seed is not None or params.temperature == 0.0:
+        generator = torch.Generator(device=device).manual_seed(0 if params.seed is None else params.seed)
     capacity = P + max_new_tokens
     if steps is None:
         cache = target.new_cache(1, capacity, spare=k)
@@ -468,7 +486,7 @@ def _rounds(target, drafter, ids, max_new_tokens, k, sampling, seed, stops, stat
         k_round = min(k, max_new_tokens - (n - P) - 1)  # never draft past max_new_tokens
         drafts, p = context.new_empty(0), None
         if k_round > 0:
-            drafts, p = drafter.propose(context[:n], k_round, sampling)
+            drafts, p = drafter.propose(context[:n], k_round, params, generator)
             drafts = drafts[:k_round]
         if p is None:
             p = F.one_hot(drafts, target.config.vocab_size).float()
@@ -479,10 +497,10 @@ def _rounds(target, drafter, ids, max_new_tokens, k, sampling, seed, stops, stat
             context[n - 1 : n],
             drafts,
             p,
-            sampling.temperature,
-            sampling.top_k,
-            sampling.top_p,
-            sampling.generator,
+            params.temperature,
+            params.top_k,
+            params.top_p,
+            generator,
         )
         if not 1 <= len(new) <= len(drafts) + 1:  # e.g. a verify_drafts that emits nothing: never loop
             raise RuntimeError(
@@ -516,6 +534,7 @@ def speculative_generate(
     stop_token_ids: Sequence[int] | None = None,
     return_stats: bool = False,
     steps: Steps | None = None,
+    params: SamplingParams | None = None,
 ):
     """Generate up to max_new_tokens tokens of one prompt from `target`, drafting k tokens per round.
 
@@ -530,7 +549,8 @@ def speculative_generate(
     steps: None runs the target's own forward; a `Steps` (staff code: `fast.step.fixed.FixedSteps`,
     compiled, CUDA graph, native or eager) runs it as fixed-shape steps of 1 and k + 1 tokens, where a
     verify pass costs little more than a decode step; a TransformerLM draft then runs fixed-shape
-    steps of 1 and 2 tokens the same way.
+    steps of 1 and 2 tokens the same way. params: the settings as one SamplingParams (instead of the
+    keywords).
     """
     stats = SpeculativeStats(k=k)
     stream = speculative_stream(
@@ -546,6 +566,7 @@ def speculative_generate(
         stop_token_ids,
         stats,
         steps,
+        params,
     )
     out = torch.tensor(list(stream), dtype=torch.long, device=target.embed.weight.device)
     return (out, stats) if return_stats else out

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -104,14 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Everything that can be checked before loading a model (so bad arguments fail fast)."""
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not (args.temperature >= 0.0 and math.isfinite(args.temperature)):
-        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if args.top_k is not None and args.top_k < 1:
-        raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
-    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
-        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    from cs336_inference.sampling import SamplingParams
+
+    params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    try:
+        params.validate()  # the library's one check, its message naming the option
+    except ValueError as e:
+        name, _, rest = str(e).partition(" ")
+        raise UsageError(f"--{name.replace('_', '-')} {rest}") from None
     if args.speculate_k is not None and args.draft is None:
         raise UsageError(
             "--speculate-k sets the drafts per round of speculative decoding: use it with --draft"
@@ -211,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     from cs336_inference.config import ConfigError
     from cs336_inference.io.checkpoint import default_model_path, load_pretrained
     from cs336_inference.io.tokenizer import load_tokenizer
-    from cs336_inference.sampling import stream_generate
+    from cs336_inference.sampling import SamplingParams, stream_generate
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -270,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
 
     stream = TerminalStream(tokenizer, None if args.json else sys.stdout)
     stopped = False
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    params = SamplingParams(max_new, args.temperature, args.top_k, args.top_p, args.seed, stop_ids)
     spec_stats = None
     t_start = time.perf_counter()
     t_first = t_last = None
@@ -279,11 +278,9 @@ def run(args: argparse.Namespace) -> int:
     if draft is None and step_mode == "native":
         from cs336_inference.fast.step.fixed import step_stream
 
-        tokens = step_stream(model, prompt_ids, max_new, "native", **sampling, stop_token_ids=stop_ids)
+        tokens = step_stream(model, prompt_ids, mode="native", params=params)
     elif draft is None:
-        tokens = stream_generate(
-            model, prompt_ids, max_new, **sampling, use_cache=not args.no_cache, stop_token_ids=stop_ids
-        )
+        tokens = stream_generate(model, prompt_ids, use_cache=not args.no_cache, params=params)
     else:
         from cs336_inference.speculative import SpeculativeStats, speculative_stream
 
@@ -310,10 +307,8 @@ def run(args: argparse.Namespace) -> int:
                 model,
                 draft,
                 prompt_ids,
-                max_new,
-                args.speculate_k,
-                **sampling,
-                stop_token_ids=stop_ids,
+                k=args.speculate_k,
+                params=params,
                 stats=spec_stats,
                 steps=steps,
             )

@@ -406,3 +406,35 @@ def test_context_window_is_checked_when_called(fn):
     with pytest.raises(ValueError, match="context window"):
         fn(model, prompt(10, seed=0), 87)  # 10 + 87 > 96
     consume(fn(model, prompt(10, seed=0), 86))  # 10 + 86 = 96 fits
+
+
+def test_one_sampling_params_drives_generate_stream_and_speculative():
+    """SamplingParams is the one type for the settings: generate, stream_generate and
+    speculative_generate give with params= what they give with the same keywords; both at once, or a
+    bad setting, is a ValueError (one place checks them: SamplingParams.validate)."""
+    from cs336_inference import SamplingParams
+    from cs336_inference.sampling import stream_generate
+    from cs336_inference.speculative import speculative_generate
+
+    model = tiny_model("gqa")
+    ids = prompt(6, seed=3)
+    settings = dict(max_new_tokens=9, temperature=0.8, top_k=20, top_p=0.9, seed=5, stop_token_ids=[])
+    params = SamplingParams(**settings)
+    assert torch.equal(generate(model, ids, params=params), generate(model, ids, **settings))
+    assert list(stream_generate(model, ids, params=params)) == generate(model, ids, **settings).tolist()
+    greedy = SamplingParams(max_new_tokens=9, stop_token_ids=())
+    assert torch.equal(
+        speculative_generate(model, model, ids, k=3, params=greedy), generate(model, ids, params=greedy)
+    )
+    with pytest.raises(ValueError, match="not both .*temperature"):
+        generate(model, ids, temperature=0.5, params=params)
+    for bad, match in (
+        (SamplingParams(temperature=float("inf")), "temperature"),
+        (SamplingParams(top_p=0.0), "top_p"),
+        (SamplingParams(seed=1.5), "seed"),
+        (SamplingParams(stop_token_ids=["x"]), "stop_token_ids"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            generate(model, ids, params=bad)
+    assert SamplingParams().stops(model.config) == tuple(model.config.eos_token_ids)
+    assert SamplingParams(stop_token_ids=[3]).stops(model.config) == (3,)

@@ -50,17 +50,7 @@ def tiny_model(variant: str = "gqa", dtype=torch.float64) -> TransformerLM:
 
 def alone(model, prompt: list[int], p: SamplingParams) -> list[int]:
     """What `generate` gives for this prompt alone (the engine's reference)."""
-    out = generate(
-        model,
-        prompt,
-        p.max_new_tokens,
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p,
-        seed=p.seed,
-        stop_token_ids=list(p.stop_token_ids),
-    )
-    return out.tolist()
+    return generate(model, prompt, params=p).tolist()  # the same SamplingParams
 
 
 def first_difference(got: list[int], expected: list[int]) -> str:

@@ -15,7 +15,7 @@ import torch
 from cs336_inference import speculative as spec
 from cs336_inference.config import FULL, SLIDING, ModelConfig
 from cs336_inference.model import TransformerLM
-from cs336_inference.sampling import generate
+from cs336_inference.sampling import SamplingParams, generate
 from cs336_inference.speculative import (
     NGramDraft,
     accept_resample,
@@ -429,7 +429,7 @@ def test_a_shared_cache_needs_the_targets_cache_shapes():
         with pytest.raises(ValueError, match="share_cache"):
             speculative_generate(target, spec.ModelDraft(other, share_cache=True), prompt(8, 0), 4, k=2)
     with pytest.raises(ValueError, match="attach"):
-        spec.ModelDraft(target, share_cache=True).propose(prompt(4, 0), 2, spec.Sampling())
+        spec.ModelDraft(target, share_cache=True).propose(prompt(4, 0), 2, SamplingParams())
 
 
 def test_draft_cache_matches_what_it_fed():
@@ -551,8 +551,8 @@ class FixedDraft:
     def reset(self, capacity, k):
         pass
 
-    def propose(self, context, k, sampling):
-        tokens = torch.multinomial(self.p, k, replacement=True, generator=sampling.generator)
+    def propose(self, context, k, params, generator=None):
+        tokens = torch.multinomial(self.p, k, replacement=True, generator=generator)
         return tokens, self.p.expand(k, -1)
 
 

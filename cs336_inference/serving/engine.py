@@ -30,6 +30,7 @@ The engine is not thread-safe: one thread drives it (the HTTP server does so fro
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import numbers
 import time
@@ -40,31 +41,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..sampling import check_sampling_args, sample_next_token
+from ..sampling import SamplingParams, sample_next_token
 from .paged import BlockManager, BlockTable, PagedBatch, PagedKVCache
-
-
-@dataclass
-class SamplingParams:
-    """Per-request decoding parameters (see cs336_inference.sampling). stop_token_ids: generation
-    ends after producing one of them (it is kept in the output); () = only max_new_tokens stops.
-    Pass model.config.eos_token_ids to stop at end-of-sequence like `generate` does by default."""
-
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-
-    def validate(self) -> None:
-        check_sampling_args(self.temperature, self.top_k, self.top_p, self.max_new_tokens)
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
-        ):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
 
 
 @dataclass
@@ -274,6 +252,8 @@ class LLMEngine:
         """Queue a request; returns its id. ValueError (one line) for a request that can never run."""
         params = SamplingParams() if params is None else params
         params.validate()
+        if params.stop_token_ids is None:  # the model's EOS ids, as generate does
+            params = dataclasses.replace(params, stop_token_ids=params.stops(self.config))
         ids = _as_token_list(prompt_ids, self.config.vocab_size)
         P, M = len(ids), int(params.max_new_tokens)
         if P + M > self.config.max_seq_len:

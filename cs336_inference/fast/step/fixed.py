@@ -51,6 +51,7 @@ from cs336_inference.fast.step.fuse import fuse_siblings
 from cs336_inference.fast.step.native import PHASES, NativeLayers
 from cs336_inference.kv_cache import KVCache, StaticKVCache
 from cs336_inference.quantization.linear import PackedWeight
+from cs336_inference.sampling import SamplingParams, prepare_prompts, sample_next_token, sampling_params
 
 MODES = ("graph", "compile", "native", "eager")
 
@@ -320,33 +321,37 @@ def graph_generate(
 def step_stream(
     model,
     prompt_ids: Int[Tensor, " P"],
-    max_new_tokens: int,
+    max_new_tokens: int = 64,
     mode: str | None = None,
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int | None = None,
-    stop_token_ids=(),
+    stop_token_ids=None,
+    params: SamplingParams | None = None,
 ):
     """`sampling.stream_generate` for one prompt with an eager prefill and FixedStep decode steps
-    (mode as FixedStep's): yields each new token id; a stop token is yielded, then it ends.
+    (mode as FixedStep's): yields each new token id; a stop token (None: the config's EOS ids) is
+    yielded, then it ends. The settings as stream_generate's (keywords or params=).
 
     Arguments are checked (ValueError) at the call, and the step is made there too, so a model the
     mode cannot run is refused before the first token. Greedy gives `generate`'s tokens; sampled, the
     same draws from logits equal to float32 rounding.
     """
-    from cs336_inference.sampling import prepare_prompts, sample_next_token
-
-    ids, _, single = prepare_prompts(
-        model, prompt_ids, max_new_tokens, temperature, top_k, top_p
-    )  # checks all
+    params = sampling_params(
+        params, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        stop_token_ids=stop_token_ids,
+    )  # fmt: skip
+    max_new_tokens, seed = int(params.max_new_tokens), params.seed
+    temperature, top_k, top_p = params.temperature, params.top_k, params.top_p
+    ids, _, single = prepare_prompts(model, prompt_ids, max_new_tokens)
     if not single:
         raise ValueError("step_stream takes one prompt (a 1-D tensor or a list of ints)")
     device = ids.device
     cache = model.new_cache(1, fixed_capacity(ids.shape[1] + max_new_tokens, model.config.max_seq_len))
     step = FixedStep(model, cache, mode)
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
-    stops = set(stop_token_ids)
+    stops = set(params.stops(model.config))
 
     @torch.inference_mode()
     def tokens():
