@@ -110,7 +110,7 @@ class ForwardContext:
     cache: KVCache | None = None
     masks: dict = field(default_factory=dict)
     kv: dict = field(default_factory=dict)  # layer -> (k, v, steps), for CLA borrowers
-    paged: Any = None  # serving.paged.PagedBatch: K/V in paged blocks, attention per sequence
+    paged: Any = None  # serving.paged_attention.PagedBatch: K/V in paged blocks, attention per sequence
 
     def mask(self, steps: Tensor, window: int | None, store) -> Tensor | None:
         """The mask for these key steps, built once per forward for each kind of layer."""

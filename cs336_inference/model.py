@@ -140,7 +140,7 @@ class TransformerLM(nn.Module):
     def forward_paged(self, input_ids: Int[Tensor, " T"], batch) -> Float[Tensor, "n V"]:
         """Selective batching for the serving engine: the new tokens of n sequences in one row.
 
-        `batch` (a serving.paged.PagedBatch) gives each token's position (for RoPE) and its slot in
+        `batch` (a serving.paged_attention.PagedBatch) gives each token's position (for RoPE) and its slot in
         the paged KV cache; embedding, projections and MLP run once over all T tokens ([1, T, D]),
         attention runs per sequence over that sequence's blocks. Returns the logits of each
         sequence's last token, [n, V].

@@ -13,19 +13,22 @@ from einops import rearrange
 from cs336_inference import ModelConfig, TransformerLM, generate
 from cs336_inference.attention import attend, attention_mask
 from cs336_inference.serving import LLMEngine, SamplingParams
-from cs336_inference.serving.engine import Request, Scheduler
-from cs336_inference.serving.paged import (
+from cs336_inference.serving.block_manager import (
     BlockAllocator,
     BlockManager,
     BlockTable,
     NoFreeBlocks,
+    block_hash,
+)
+from cs336_inference.serving.paged_attention import (
     PagedBatch,
     PagedKVCache,
-    block_hash,
     gather_blocks,
     paged_attention,
     slot_mapping,
 )
+from cs336_inference.serving.request import Request
+from cs336_inference.serving.scheduler import Scheduler
 
 TINY = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, d_ff=48, max_seq_len=96)
 MLA_DIMS = dict(kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6)

@@ -11,7 +11,7 @@ request ends; continuous batching decides again at every step (iteration-level s
                         front of the queue, to be recomputed later (its tokens so far are kept).
              run        one forward over the new tokens of all scheduled sequences flattened into
                         one row (selective batching: the linears see [T, D] once; attention runs per
-                        sequence over its blocks, serving.paged.PagedBatch)
+                        sequence over its blocks, serving.paged_attention.PagedBatch)
              sample     each sequence whose tokens are all computed gets its next token (its own
                         temperature / top-k / top-p / seed); stop tokens and max_new_tokens end it
                         and free its blocks.
@@ -34,165 +34,16 @@ import dataclasses
 import itertools
 import numbers
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from ..sampling import SamplingParams, sample_next_token
-from .paged import BlockManager, BlockTable, PagedBatch, PagedKVCache
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]  # tokens produced for this request in this step
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
-
-
-@dataclass(eq=False)  # identity: two requests are never "equal"
-class Request:
-    """One request inside the engine: its tokens (prompt + output so far) and its KV blocks.
-
-    num_computed = how many of token_ids have their K/V in the cache; remaining = the rest: 1 while
-    decoding (the newest token's K/V is computed in the next step), more while the prompt is being
-    prefilled. The step that computes a sequence's last token samples its next one. After
-    preemption num_computed = 0: prompt and output so far are recomputed together.
-    """
-
-    request_id: str
-    token_ids: list[int]
-    num_prompt: int
-    params: SamplingParams
-    arrival: float
-    order: int  # arrival counter (the running list itself is kept in admission order)
-    generator: torch.Generator | None = None
-    table: BlockTable = field(default_factory=BlockTable)
-    num_computed: int = 0
-    finish_reason: str | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    preemptions: int = 0
-
-    @property
-    def num_output(self) -> int:
-        return len(self.token_ids) - self.num_prompt
-
-    @property
-    def remaining(self) -> int:
-        """Tokens whose K/V still have to be computed (1 while decoding)."""
-        return len(self.token_ids) - self.num_computed
-
-
-class Scheduler:
-    """Waiting queue (FIFO) and running list (admission order); decides each step's work."""
-
-    def __init__(
-        self,
-        blocks: BlockManager,
-        copy_block: Callable[[int, int], None],
-        max_batch_tokens: int,
-        max_batch_seqs: int,
-    ):
-        self.blocks = blocks
-        self.copy_block = copy_block
-        self.max_batch_tokens = max_batch_tokens
-        self.max_batch_seqs = max_batch_seqs
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.preemptions = 0
-
-    def fits(self, seq: Request, n: int) -> bool:
-        """Whether computing seq's next n tokens finds the blocks it needs free."""
-        return (
-            self.blocks.blocks_needed(seq.table, seq.num_computed, seq.num_computed + n)
-            <= self.blocks.num_free
-        )
-
-    def reserve(self, seq: Request, n: int) -> None:
-        """Make the blocks for seq's next n tokens writable (copy-on-write, new blocks)."""
-        self.blocks.prepare_write(seq.table, seq.num_computed, seq.num_computed + n, self.copy_block)
-
-    def preempt(self, seq: Request) -> None:
-        """Recompute later: free seq's blocks, forget its cache, put it at the front of the queue."""
-        self.running.remove(seq)
-        self.blocks.free(seq.table)
-        seq.num_computed = 0
-        seq.preemptions += 1
-        self.preemptions += 1
-        self.waiting.appendleft(seq)
-
-    def match_prefix(self, seq: Request) -> None:
-        """Start a waiting sequence from the prefix cache: its cached full blocks count as computed
-        (all but the last token: its logits are needed, so it is recomputed, copy-on-write)."""
-        matched = self.blocks.match_prefix(seq.table, seq.token_ids)
-        seq.num_computed = min(matched * self.blocks.block_size, len(seq.token_ids) - 1)
-
-    def schedule(self) -> list[tuple[Request, int]]:
-        """This step's work: (sequence, number of its tokens to compute) pairs; blocks reserved.
-
-        1. Running sequences, those decoding (remaining == 1) first, then those still prefilling,
-           oldest first within each: n = min(remaining, budget left) tokens each (budget:
-           max_batch_tokens per step). While seq does not `fits`, preempt the newest running
-           sequence not scheduled yet in this step (possibly seq itself, which is then skipped).
-           Then `reserve` its blocks, append (seq, n), and take n from the budget.
-        2. Only if nobody was preempted in this step: admit waiting sequences in order while the
-           budget is not spent and fewer than max_batch_seqs are running: `match_prefix` first
-           (unless it already holds blocks), n = min(remaining, budget); if it does not fit, give
-           the matched blocks back (blocks.free(seq.table), num_computed = 0) and stop admitting;
-           else move it to `running`, `reserve`, append (seq, n), take n from the budget.
-        """
-        budget = self.max_batch_tokens
-        scheduled: list[tuple[Request, int]] = []
-        # BEGIN SOLUTION scheduler
-        done: set[int] = set()
-        preempted = False
-        order = [s for s in self.running if s.remaining == 1] + [s for s in self.running if s.remaining > 1]
-        for seq in order:
-            if budget == 0:
-                break
-            if seq not in self.running:  # preempted earlier in this step
-                continue
-            n = min(seq.remaining, budget)
-            while not self.fits(seq, n):
-                victim = next(s for s in reversed(self.running) if id(s) not in done)
-                self.preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            if seq not in self.running:
-                continue
-            self.reserve(seq, n)
-            scheduled.append((seq, n))
-            done.add(id(seq))
-            budget -= n
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_batch_seqs:
-            seq = self.waiting[0]
-            if not seq.table.blocks:
-                self.match_prefix(seq)
-            n = min(seq.remaining, budget)
-            if not self.fits(seq, n):
-                self.blocks.free(seq.table)
-                seq.num_computed = 0
-                break
-            self.waiting.popleft()
-            self.running.append(seq)
-            self.reserve(seq, n)
-            scheduled.append((seq, n))
-            budget -= n
-        # END SOLUTION
-        return scheduled
-
-    def remove(self, seq: Request) -> None:
-        """Take a finished or aborted sequence out of the queues and free its blocks."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.blocks.free(seq.table)
+from .block_manager import BlockManager
+from .paged_attention import PagedBatch, PagedKVCache
+from .request import Request, RequestOutput
+from .scheduler import Scheduler
 
 
 def _as_token_list(prompt_ids, vocab_size: int) -> list[int]:

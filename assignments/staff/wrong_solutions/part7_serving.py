@@ -4,8 +4,9 @@ Each entry is a small patch of one problem's solution code. Applied alone, it mu
 problem's graded tests lose points (the other problems are graded with the reference code).
 """
 
-PAGED = "cs336_inference/serving/paged.py"
-ENGINE = "cs336_inference/serving/engine.py"
+BLOCKS = "cs336_inference/serving/block_manager.py"
+ATTENTION = "cs336_inference/serving/paged_attention.py"
+SCHEDULER = "cs336_inference/serving/scheduler.py"
 
 WRONG = [
     # ------------------------------------------------------------------------------ block_allocator
@@ -14,7 +15,7 @@ WRONG = [
         name="free_list_as_stack",
         mistake="pops the most recently freed block (a stack), so the blocks the prefix cache would find "
         "again are the first to be overwritten",
-        file=PAGED,
+        file=BLOCKS,
         find="block, _ = self.free_ids.popitem(last=False)",
         replace="block, _ = self.free_ids.popitem()",
     ),
@@ -22,7 +23,7 @@ WRONG = [
         problem="block_allocator",
         name="free_releases_shared_block",
         mistake="returns a block to the free list on every free, even while another table still holds it",
-        file=PAGED,
+        file=BLOCKS,
         find="""        self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             self.free_ids[block] = None""",
@@ -33,7 +34,7 @@ WRONG = [
         problem="block_allocator",
         name="no_double_free_check",
         mistake="trusts callers: a double free drives the count negative instead of raising",
-        file=PAGED,
+        file=BLOCKS,
         find="""        if self.ref_counts[block] == 0:
             raise ValueError(f"double free of KV block {block}: its reference count is already 0")
 """,
@@ -44,7 +45,7 @@ WRONG = [
         name="share_leaves_block_on_free_list",
         mistake="share only increments the count: a free cached block that is shared again stays on the "
         "free list, and allocate hands it to a second sequence",
-        file=PAGED,
+        file=BLOCKS,
         find="""        if self.ref_counts[block] == 0:
             del self.free_ids[block]
 """,
@@ -54,7 +55,7 @@ WRONG = [
         problem="block_allocator",
         name="allocate_forgets_count",
         mistake="takes a block off the free list without setting its count, so its first free is a double free",
-        file=PAGED,
+        file=BLOCKS,
         find="""        self.ref_counts[block] = 1
         return block""",
         replace="""        return block""",
@@ -65,7 +66,7 @@ WRONG = [
         name="hash_not_chained",
         mistake="hashes only the block's own tokens: the same 16 tokens after a different prefix match, "
         "although their keys and values differ",
-        file=PAGED,
+        file=BLOCKS,
         find="digest = hashlib.blake2b(prev, digest_size=16)",
         replace="digest = hashlib.blake2b(digest_size=16)",
     ),
@@ -74,7 +75,7 @@ WRONG = [
         name="match_forgets_to_chain",
         mistake="never advances the previous key while walking the prompt, so every block after the first is "
         "looked up as if it began the prompt",
-        file=PAGED,
+        file=BLOCKS,
         find="""            self.prefix_hits += 1
             prev = key""",
         replace="""            self.prefix_hits += 1""",
@@ -84,7 +85,7 @@ WRONG = [
         name="match_does_not_share",
         mistake="appends the cached block to the table without taking a reference: the first owner's free "
         "returns it to the free list while the second still reads it",
-        file=PAGED,
+        file=BLOCKS,
         find="""            self.allocator.share(block)
             table.blocks.append(block)""",
         replace="""            table.blocks.append(block)""",
@@ -94,7 +95,7 @@ WRONG = [
         name="registers_partial_blocks",
         mistake="registers the last, partly filled block too (rounds up): its key then names tokens that are "
         "not all there yet",
-        file=PAGED,
+        file=BLOCKS,
         find="for i in range(len(table.hashes), num_computed // bs):",
         replace="for i in range(len(table.hashes), -(-num_computed // bs)):",
     ),
@@ -102,7 +103,7 @@ WRONG = [
         problem="prefix_cow",
         name="cow_without_copying_contents",
         mistake="gives the writer a fresh block but never copies the shared block's contents into it",
-        file=PAGED,
+        file=BLOCKS,
         find="""                copy_block(old, new)
 """,
         replace="",
@@ -111,7 +112,7 @@ WRONG = [
         problem="prefix_cow",
         name="cow_keeps_old_reference",
         mistake="swaps in the copy but never drops the table's reference to the shared block (a leak)",
-        file=PAGED,
+        file=BLOCKS,
         find="""                self.allocator.free(old)
                 table.blocks[i] = new""",
         replace="""                table.blocks[i] = new""",
@@ -120,7 +121,7 @@ WRONG = [
         problem="prefix_cow",
         name="cow_copies_every_block",
         mistake="copies every block written to, shared or not (count >= 1): correct outputs, wasted blocks",
-        file=PAGED,
+        file=BLOCKS,
         find="if self.allocator.ref_counts[old] > 1:",
         replace="if self.allocator.ref_counts[old] >= 1:",
     ),
@@ -129,7 +130,7 @@ WRONG = [
         problem="paged_attention",
         name="slot_forgets_block_size",
         mistake="adds the offset to the block id instead of to block_id * block_size",
-        file=PAGED,
+        file=ATTENTION,
         find="return block_table[steps // block_size] * block_size + steps % block_size",
         replace="return block_table[steps // block_size] + steps % block_size",
     ),
@@ -137,7 +138,7 @@ WRONG = [
         problem="paged_attention",
         name="gather_keeps_whole_last_block",
         mistake="returns every slot of the gathered blocks, the unwritten rest of the last block included",
-        file=PAGED,
+        file=ATTENTION,
         find="return store[block_table[:n]].flatten(0, 1)[:length]",
         replace="return store[block_table[:n]].flatten(0, 1)",
     ),
@@ -145,7 +146,7 @@ WRONG = [
         problem="paged_attention",
         name="gather_offset_major",
         mistake="flattens [blocks, offsets] in the wrong order (offset-major), interleaving the blocks' steps",
-        file=PAGED,
+        file=ATTENTION,
         find="return store[block_table[:n]].flatten(0, 1)[:length]",
         replace="return store[block_table[:n]].transpose(0, 1).flatten(0, 1)[:length]",
     ),
@@ -153,7 +154,7 @@ WRONG = [
         problem="paged_attention",
         name="queries_start_at_zero",
         mistake="builds the mask as if the queries were steps 0..T-1, forgetting that they start at `start`",
-        file=PAGED,
+        file=ATTENTION,
         find="mask = attention_mask(steps[start:], steps, window)",
         replace="mask = attention_mask(steps[: q.shape[1]], steps, window)",
     ),
@@ -161,7 +162,7 @@ WRONG = [
         problem="paged_attention",
         name="drops_the_window",
         mistake="masks causally but forgets the sliding window",
-        file=PAGED,
+        file=ATTENTION,
         find="mask = attention_mask(steps[start:], steps, window)",
         replace="mask = attention_mask(steps[start:], steps)",
     ),
@@ -171,7 +172,7 @@ WRONG = [
         name="no_decode_priority",
         mistake="serves running sequences in admission order, so a long prompt chunk ahead of them eats the "
         "budget and decoding sequences stall",
-        file=ENGINE,
+        file=SCHEDULER,
         find="order = [s for s in self.running if s.remaining == 1] + [s for s in self.running if s.remaining > 1]",
         replace="order = list(self.running)",
     ),
@@ -179,7 +180,7 @@ WRONG = [
         problem="scheduler",
         name="preempts_the_oldest",
         mistake="preempts the oldest unscheduled sequence, throwing away the most work (and starving it)",
-        file=ENGINE,
+        file=SCHEDULER,
         find="victim = next(s for s in reversed(self.running) if id(s) not in done)",
         replace="victim = next(s for s in self.running if id(s) not in done)",
     ),
@@ -188,7 +189,7 @@ WRONG = [
         name="victim_may_be_scheduled",
         mistake="always preempts the last running sequence, even one already scheduled in this step: its "
         "blocks are freed while the step still writes to them",
-        file=ENGINE,
+        file=SCHEDULER,
         find="victim = next(s for s in reversed(self.running) if id(s) not in done)",
         replace="victim = self.running[-1]",
     ),
@@ -197,7 +198,7 @@ WRONG = [
         name="admits_after_preemption",
         mistake="admits waiting requests in the same step that preempted, so the victim can be readmitted "
         "at once and preempted again (thrashing)",
-        file=ENGINE,
+        file=SCHEDULER,
         find="while self.waiting and not preempted and budget > 0",
         replace="while self.waiting and budget > 0",
     ),
@@ -205,7 +206,7 @@ WRONG = [
         problem="scheduler",
         name="keeps_prefix_blocks_when_waiting",
         mistake="leaves the blocks the prefix lookup took with a request that could not be admitted",
-        file=ENGINE,
+        file=SCHEDULER,
         find="""            if not self.fits(seq, n):
                 self.blocks.free(seq.table)
                 seq.num_computed = 0
@@ -217,7 +218,7 @@ WRONG = [
         problem="scheduler",
         name="admission_ignores_budget",
         mistake="admits a new request's whole prompt whatever the token budget (no chunked prefill)",
-        file=ENGINE,
+        file=SCHEDULER,
         find="""            n = min(seq.remaining, budget)
             if not self.fits(seq, n):""",
         replace="""            n = seq.remaining

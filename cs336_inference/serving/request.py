@@ -1,0 +1,53 @@
+"""A request inside the serving engine: its tokens (prompt + output so far), its KV blocks, its
+sampling settings and timestamps; and what one engine step reports for it (RequestOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling import SamplingParams
+from .block_manager import BlockTable
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]  # tokens produced for this request in this step
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+
+
+@dataclass(eq=False)  # identity: two requests are never "equal"
+class Request:
+    """One request inside the engine: its tokens (prompt + output so far) and its KV blocks.
+
+    num_computed = how many of token_ids have their K/V in the cache; remaining = the rest: 1 while
+    decoding (the newest token's K/V is computed in the next step), more while the prompt is being
+    prefilled. The step that computes a sequence's last token samples its next one. After
+    preemption num_computed = 0: prompt and output so far are recomputed together.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt: int
+    params: SamplingParams
+    arrival: float
+    order: int  # arrival counter (the running list itself is kept in admission order)
+    generator: torch.Generator | None = None
+    table: BlockTable = field(default_factory=BlockTable)
+    num_computed: int = 0
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    preemptions: int = 0
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def remaining(self) -> int:
+        """Tokens whose K/V still have to be computed (1 while decoding)."""
+        return len(self.token_ids) - self.num_computed
