@@ -20,7 +20,7 @@ def load_script():
     return module
 
 
-def run_script(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_script(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:  # a busy 2-core machine
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
