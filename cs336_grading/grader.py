@@ -73,6 +73,13 @@ def fmt(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:.2f}".rstrip("0")
 
 
+def graded_files(repo: Path, rubric: dict, problems: list[str] | None = None) -> list[str]:
+    """The test files that hold the rubric's graded tests (of these problems), for pytest's command line."""
+    chosen = [p for name, p in rubric["problems"].items() if problems is None or name in problems]
+    files = sorted({nodeid.split("::")[0] for p in chosen for nodeid in p["tests"]})
+    return [f for f in files if (Path(repo) / f).is_file()] or ["tests"]
+
+
 def run_graded(
     repo: Path,
     submission: Path | None = None,
@@ -95,14 +102,11 @@ def run_graded(
         raise GradeError(str(e)) from e
     with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
         report = Path(tmp) / "report.json"
-        chosen = [p for name, p in rubric["problems"].items() if problems is None or name in problems]
-        files = sorted({nodeid.split("::")[0] for p in chosen for nodeid in p["tests"]})
-        files = [f for f in files if (repo / f).is_file()] or ["tests"]  # the files that hold graded tests
         cmd = [
             sys.executable,
             "-m",
             "pytest",
-            *files,
+            *graded_files(repo, rubric, problems),
             "-m",
             "graded",
             "-q",
