@@ -151,7 +151,13 @@ def build(cc: str | None = None) -> ctypes.CDLL:
         )
         path = cache_dir() / f"decode-{key.hexdigest()[:16]}.so"
         try:
-            if not path.exists():
+            if not path.exists():  # tens of seconds on a busy 2-core machine: say so
+                print(
+                    f"cs336_inference.fast: compiling {', '.join(p.name for p in SOURCES)} for this CPU, once "
+                    f"(cached in {cache_dir()})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 _compile(cc, flags, path)
             lib = ctypes.CDLL(str(path))
             _declare(lib)
