@@ -60,15 +60,21 @@ def test_ruff_clean():
 
 
 def package_imports(package: Path = ROOT / "cs336_inference") -> dict[str, set[str]]:
-    """module -> the package modules it imports anywhere (top level or inside a function)."""
-    modules = {
-        ".".join(p.relative_to(package).with_suffix("").parts): p
-        for p in package.rglob("*.py")
-        if p.name != "__init__.py"
-    }
+    """module -> the package modules it imports anywhere (top level or inside a function). A
+    subpackage's __init__.py is a module named after the subpackage ("fast"): `from .fast import
+    install` reaches it, `from .fast import autotune` reaches the submodule instead."""
+    modules = {}
+    for p in package.rglob("*.py"):
+        parts = p.relative_to(package).with_suffix("").parts
+        if p.name == "__init__.py":
+            parts = parts[:-1]
+            if not parts:
+                continue  # the package's own __init__ (the public names) imports the core only
+        modules[".".join(parts)] = p
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        here = name.split(".")[:-1]  # the subpackage this module is in
+        # the package that relative imports start from
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         edges = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
@@ -79,7 +85,10 @@ def package_imports(package: Path = ROOT / "cs336_inference") -> dict[str, set[s
                     parent = ".".join(["cs336_inference", *base, *([node.module] if node.module else [])])
                 else:
                     parent = node.module or ""
-                targets = [parent] + [f"{parent}.{a.name}" for a in node.names]
+                targets = []
+                for a in node.names:  # a submodule if there is one of that name, else the package itself
+                    sub = f"{parent}.{a.name}"
+                    targets.append(sub if sub.removeprefix("cs336_inference.") in modules else parent)
             else:
                 continue
             for target in targets:
@@ -148,8 +157,11 @@ def test_the_layering_check_catches_a_planted_import(tmp_path):
     assert not layering_violations(package_imports(package))
     layers = package / "layers.py"
     layers.write_text(layers.read_text() + "\n\ndef _fast():\n    from .fast import autotune  # noqa\n")
+    model = package / "model.py"  # the package itself, the way a user installs the fast path
+    model.write_text(model.read_text() + "\n\ndef _f():\n    from cs336_inference.fast import install\n")
     sampling = package / "sampling.py"  # a lazy absolute import, two steps away from model.py
     sampling.write_text(sampling.read_text() + "\n\ndef _x():\n    import cs336_inference.bench.decode\n")
     found = layering_violations(package_imports(package))
     assert "layers -> fast.autotune" in found, found
+    assert "model -> fast" in found, found
     assert any(v.startswith("speculative -> sampling -> bench.decode") for v in found), found
