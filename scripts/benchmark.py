@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from cs336_inference.bench import decode as bench
+from cs336_inference.bench.report import write_markdown
 from cs336_inference.fast import install
 from cs336_inference.fast.step.fixed import FixedSteps
 from cs336_inference.io.checkpoint import default_model_path, load_pretrained
@@ -317,12 +318,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """`gpu`: on a CUDA GPU, eager vs CUDA-graph decode steps in bf16 / int8 / int4 and transformers, with
-    the roofline fraction (cs336_inference/bench/gpu.py).
-
-        python scripts/benchmark.py gpu --out runs/gpu.json
-
-    `serve`: static vs continuous batching (library: cs336_inference.bench.serving)."""
+    """`serve`: static vs continuous batching (library: cs336_inference.bench.serving)."""
     import os
     import platform
 
@@ -353,6 +349,8 @@ def run_serve(args: argparse.Namespace) -> int:
         "load_average_at_end": os.getloadavg()[0], "command": "python scripts/benchmark.py " + " ".join(sys.argv[1:]),
     }  # fmt: skip
     print(workload.format_table(result))
+    if args.markdown:
+        write_markdown(args.markdown, workload.format_table(result))
     w = result["workload"]
     print(
         f"\n{w['num_requests']} requests, prompts median {w['prompt_len_median']:g} (max {w['prompt_len_max']}) "
@@ -512,6 +510,12 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     srv.add_argument("--out", type=Path, help="write the results as JSON here")
     srv.add_argument("--plot", type=Path, help="write the throughput / TTFT plot (PNG) here")
+    for subparser in sub.choices.values():
+        subparser.add_argument(
+            "--markdown",
+            type=Path,
+            help="also write the table for docs/ (with the command, CPU, torch, date)",
+        )
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":
@@ -535,11 +539,15 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchmarkError, ValueError, OSError, RuntimeError) as e:
         print(f"benchmark.py: error: {e}", file=sys.stderr)
         return 2
-    print(
+    table = (
         result["table"]
         if args.command in ("quant", "speculative", "gpu", "kernels")
         else format_report(result)
     )
+    print(table)
+    if args.markdown:
+        write_markdown(args.markdown, table)
+        print(f"wrote {args.markdown}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

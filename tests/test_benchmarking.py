@@ -254,3 +254,23 @@ def test_comparing_kernel_builds_refuses_a_bad_revision_in_one_line(capsys):
     assert len(err) == 1 and "no-such-revision" in err[0], err
     assert run_script(["kernels", "--rows", "1,40"]) == 2
     assert "rows must be between 1 and 32" in capsys.readouterr().err
+
+
+def test_a_markdown_report_names_its_command_cpu_torch_and_date(tmp_path):
+    """benchmark.py --markdown: the docs' tables are written by the benchmark, never pasted."""
+    import datetime
+
+    from cs336_inference.bench import report
+
+    table = "format  tok/s\nfp32    41.0"
+    text = report.markdown(table, "python scripts/benchmark.py decode --quick", datetime.date(2026, 11, 25))
+    head, body = text.split("\n\n", 1)
+    assert head.startswith("`python scripts/benchmark.py decode --quick` on ") and head.endswith(
+        ", 2026-11-25:"
+    )
+    assert f"torch {torch.__version__}" in head and report.cpu_description() in head
+    assert body == f"```text\n{table}\n```\n"
+    cpu = report.cpu_description()
+    assert "cores)" in cpu and "(" in cpu, cpu
+    report.write_markdown(tmp_path / "docs" / "t.md", table)
+    assert (tmp_path / "docs" / "t.md").read_text().endswith(f"```text\n{table}\n```\n")
