@@ -16,10 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cs336_grading import catalog  # noqa: E402
-from cs336_grading.grader import GradeError  # noqa: E402
+from cs336_grading import catalog
+from cs336_grading.grader import GradeError
 
 
 def main(argv: list[str] | None = None) -> int:

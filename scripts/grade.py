@@ -15,10 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cs336_grading.grader import GradeError, results_json, run_graded, summary_lines, write_rubric  # noqa: E402
-from cs336_grading.rubric import RUBRIC, RubricError, load  # noqa: E402
+from cs336_grading.grader import GradeError, results_json, run_graded, summary_lines, write_rubric
+from cs336_grading.rubric import RUBRIC, RubricError, load
 
 
 def main(argv: list[str] | None = None) -> int:
