@@ -370,7 +370,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_kernels(args: argparse.Namespace) -> dict:
-    from cs336_inference.bench import kernels_ab as compare_builds
+    from cs336_inference.bench import kernels_ab
     from cs336_inference.fast.cpu import build
 
     if build.library() is None:
@@ -385,13 +385,13 @@ def run_kernels(args: argparse.Namespace) -> dict:
         from cs336_inference.io.checkpoint import default_model_path, load_pretrained
 
         model = install(load_pretrained(default_model_path()))
-        result = compare_builds.compare_passes(
+        result = kernels_ab.compare_passes(
             args.base, model, args.formats.split(","), rows, args.rounds, log=log
         )
-        result["table"] = compare_builds.format_passes(result)
+        result["table"] = kernels_ab.format_passes(result)
         return result
-    result = compare_builds.compare(args.base, args.formats.split(","), rows, args.rounds, log=log)
-    result["table"] = compare_builds.format_compare(result)
+    result = kernels_ab.compare(args.base, args.formats.split(","), rows, args.rounds, log=log)
+    result["table"] = kernels_ab.format_compare(result)
     return result
 
 

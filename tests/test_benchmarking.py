@@ -202,13 +202,13 @@ def _kernel_sources_match_head() -> bool:
 
 
 def test_comparing_kernel_builds_times_both_and_says_whether_their_bits_agree():
-    from cs336_inference.bench import kernels_ab as compare_builds
+    from cs336_inference.bench import kernels_ab
     from cs336_inference.fast.cpu import build
 
     if build.library() is None or not _kernel_sources_match_head():
         pytest.skip("needs the kernels built and their sources unchanged from HEAD")
     shapes = [(8, 64), (5, 128), (3, 192)]
-    r = compare_builds.compare("HEAD", ("fp32", "int4", "q4_0"), (1, 3), 2, shapes, log=lambda _: None)
+    r = kernels_ab.compare("HEAD", ("fp32", "int4", "q4_0"), (1, 3), 2, shapes, log=lambda _: None)
     assert [(x["format"], x["rows"]) for x in r["results"]] == [
         (f, m) for f in ("fp32", "int4", "q4_0") for m in (1, 3)
     ]
@@ -216,17 +216,17 @@ def test_comparing_kernel_builds_times_both_and_says_whether_their_bits_agree():
         assert x["base_ms"] > 0 and x["tree_ms"] > 0, x
         # the same sources built twice: the same bits, or the comparison is not of like with like
         assert x["same"], f"{x['format']} at {x['rows']} rows: HEAD's build and the tree's disagree"
-    assert "tree/base" in compare_builds.format_compare(r)
+    assert "tree/base" in kernels_ab.format_compare(r)
 
 
 def test_comparing_kernel_builds_on_native_passes_times_both_per_t():
-    from cs336_inference.bench import kernels_ab as compare_builds
+    from cs336_inference.bench import kernels_ab
     from cs336_inference.fast.cpu import build
 
     if build.library() is None or not _kernel_sources_match_head():
         pytest.skip("needs the kernels built and their sources unchanged from HEAD")
     model, _ = _one_layer_model_with_kernels()
-    r = compare_builds.compare_passes(
+    r = kernels_ab.compare_passes(
         "HEAD", model, ("fp32", "q4_0"), (1, 3), 2, prompt_len=8, log=lambda _: None
     )
     assert [(x["format"], x["T"]) for x in r["results"]] == [(f, T) for f in ("fp32", "q4_0") for T in (1, 3)]
@@ -234,7 +234,7 @@ def test_comparing_kernel_builds_on_native_passes_times_both_per_t():
         assert x["base_ms"] > 0 and x["tree_ms"] > 0 and x["base_cost"] > 0, x
         assert x["same"], f"{x['format']} T={x['T']}: HEAD's build and the tree's gave different logits"
     assert [x["tree_cost"] for x in r["results"] if x["T"] == 1] == [1.0, 1.0]
-    assert "tree cost" in compare_builds.format_passes(r)
+    assert "tree cost" in kernels_ab.format_passes(r)
 
 
 def run_script(argv: list[str]) -> int:

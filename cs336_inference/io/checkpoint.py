@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from cs336_inference.config import SUPPORTED_MODEL_TYPES, ModelConfig
-from cs336_inference.io import gguf_read as gguf_io
+from cs336_inference.io import gguf_read
 from cs336_inference.io.sources import CheckpointError, resolve_checkpoint
 from cs336_inference.model import TransformerLM
 
@@ -207,10 +207,10 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: str | torch.device) -
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device) -> TransformerLM:
-    gguf = gguf_io.read_gguf(path)
-    cfg = gguf_io.config_from_metadata(gguf.metadata, set(gguf.tensors))
-    tensors = gguf_io.read_tensors(gguf, cfg)
-    return build_model(cfg, tensors, gguf_io.ours_to_gguf, str(path), dtype, device)
+    gguf = gguf_read.read_gguf(path)
+    cfg = gguf_read.config_from_metadata(gguf.metadata, set(gguf.tensors))
+    tensors = gguf_read.read_tensors(gguf, cfg)
+    return build_model(cfg, tensors, gguf_read.ours_to_gguf, str(path), dtype, device)
 
 
 def load_pretrained(

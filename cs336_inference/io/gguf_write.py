@@ -12,7 +12,7 @@ Norm weights (1-d) are always float32, as llama.cpp keeps them.
   layers must be in qtype's format (int8 / int4 / LLM.int8() / AWQ layers have no llama.cpp twin);
   "f32" / "f16" write any model dequantized.
 - Rows of the query and key projections are permuted into llama.cpp's interleaved-pair order
-  (the inverse of gguf_io.unpermute_qk). Blocks of 32 lie within a row, so quantized rows move whole.
+  (the inverse of gguf_read.unpermute_qk). Blocks of 32 lie within a row, so quantized rows move whole.
 - The `llama.*` config keys come from the model's config; the tokenizer (and general.* names) are
   copied from `source`, a GGUF file, when given. Without one the file has no tokenizer: our loader
   reads it, llama.cpp needs one.

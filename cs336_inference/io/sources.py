@@ -8,7 +8,7 @@ A user names a checkpoint in any of these ways, and both loaders must accept all
     "org/name"                            a hub id: the folder, fetched from the Hugging Face hub
 
 `resolve_checkpoint` turns each into a `Source`: a folder or a GGUF file. CheckpointError lives here
-because every reader of checkpoint files (checkpoint.py, gguf_io.py, tokenizer.py) raises it.
+because every reader of checkpoint files (checkpoint.py, gguf_read.py, tokenizer.py) raises it.
 """
 
 from __future__ import annotations

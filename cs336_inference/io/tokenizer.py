@@ -26,7 +26,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from cs336_inference.io import gguf_read as gguf_io
+from cs336_inference.io import gguf_read
 from cs336_inference.io.sources import CheckpointError, resolve_checkpoint
 
 # A plain ChatML template, used only when a model ships no template of its own.
@@ -229,7 +229,7 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any]) -> Tokenizer:
 
 
 def _from_gguf(path: Path) -> Tokenizer:
-    meta = gguf_io.read_gguf(path).metadata
+    meta = gguf_read.read_gguf(path).metadata
     if "tokenizer.ggml.tokens" not in meta:
         raise CheckpointError(f"{path} has no tokenizer (no tokenizer.ggml.tokens)")
     return tokenizer_from_gguf_metadata(meta)

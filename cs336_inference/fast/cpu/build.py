@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("decode.c")
-STEP_SOURCE = Path(__file__).with_name("step.c")  # the decoder layers in one call (native_step.py)
+STEP_SOURCE = Path(__file__).with_name("step.c")  # the decoder layers in one call (fast/step/native.py)
 AMX_SOURCE = Path(__file__).with_name("amx.c")  # int8 and int4 on AMX tiles (CS336_KERNELS_AMX=1)
 SOURCES = (SOURCE, AMX_SOURCE, STEP_SOURCE)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp"]
@@ -89,7 +89,7 @@ def _compile(cc: str, flags: list[str], out: Path, sources: tuple[Path, ...] = S
 
 def _declare(lib: ctypes.CDLL, every: bool = True) -> None:
     """Argument and result types of the library's functions; every=False: skip the ones it lacks
-    (an older revision's build, which compare_builds loads)."""
+    (an older revision's build, which bench/kernels_ab.py loads)."""
     i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     signatures = {
         "cs336_f32_rows": [p, i64, i64, i64, p, i64, p, p, i32],

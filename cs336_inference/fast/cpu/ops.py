@@ -108,7 +108,7 @@ def _fake_linear_f32(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def quantized_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"] | None:
-    """The KERNELS entry of quantization.linear: y = x dequantize(stored)^T + b from the stored bytes."""
+    """FastQuantizedLinear's product: y = x dequantize(stored)^T + b from the stored bytes (None: declined)."""
     q = layer.qweight
     if q.device.type != "cpu":  # the GPU path (fast/gpu/products.py) needs no build
         cuda = q.device.type == "cuda" and build.enabled() and layer.activations is None
@@ -249,7 +249,7 @@ _LIB.impl("llm_int8", _llm_int8_op, "CPU")
 
 # The same two ops with C++ bodies (native.cpp), which a compiled step calls when they load: a call
 # through the dispatcher into a Python body costs about 15 us more than the ctypes call it wraps
-# (a 64 x 576 int8 product, measured on an AMD EPYC), and SmolLM2's step makes 211 of them. Tried once, by graphs.compiled_forward() before it
+# (a 64 x 576 int8 product, measured on an AMD EPYC), and SmolLM2's step makes 211 of them. Tried once, by step/fixed.py.compiled_forward() before it
 # compiles; if the build fails (no ninja, no headers) the Python bodies above run, said once on stderr.
 _native: bool | None = None
 

@@ -25,7 +25,7 @@ minutes on 2 cores, once per process and shape.
 
 The same step takes T tokens per row (`T=`): speculative decoding's verify pass of k + 1 tokens.
 `FixedShapes` serves a model call of any length from two fixed steps (1 and k + 1 tokens, shorter
-drafts padded) and is what `speculative_generate(..., step_mode=...)` runs as the target.
+drafts padded) and is what `speculative_generate(..., steps=FixedSteps(mode))` runs as the target.
 
 Supported: MHA / GQA / MQA, CLA, and sliding-window layers held in a full static cache; ring caches
 (a window smaller than the cache) and MLA are not (a ValueError says so).
@@ -179,7 +179,7 @@ class FixedStep:
     mode "graph" (CUDA only; the default there): recorded as a CUDA graph on the first call, replayed
     after; the logits tensor is the graph's own output buffer, overwritten by the next call (clone it
     to keep it). "compile" (CPU only): torch.compile'd on the first call. "native" (CPU only): the
-    decoder layers in one C call (native_step.py; ValueError for a model it does not support).
+    decoder layers in one C call (native.py; ValueError for a model it does not support).
     "eager" (the default on the CPU): the fixed-shape forward as it is. Each call copies the tokens and cache.pos into the
     step's fixed inputs, runs, and advances cache.pos by T.
     """

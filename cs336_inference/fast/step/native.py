@@ -1,6 +1,6 @@
 """A fixed-shape step's decoder layers as one C call (step.c): the "native" step mode.
 
-A compiled CPU step (graphs.py, mode "compile") leaves about 500 calls per SmolLM2 token in the
+A compiled CPU step (fixed.py, mode "compile") leaves about 500 calls per SmolLM2 token in the
 generated wrapper's Python: the products plus the fused loops of norms, rotary, softmax, SiLU and
 cache writes between them. The products read the weights at close to the memory bandwidth; the
 calls around them cost about a fifth of the step (docs/kernels.md). `NativeLayers` hands
