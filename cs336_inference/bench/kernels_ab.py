@@ -42,7 +42,7 @@ def build_at(revision: str, workdir: Path) -> ctypes.CDLL:
         name = source.relative_to(root).as_posix()
         shown = subprocess.run(["git", "-C", str(root), "show", f"{revision}:{name}"], capture_output=True)
         if shown.returncode != 0:  # a revision from before the kernels moved to fast/cpu/
-            old = f"cs336_inference/kernels/{source.name}"
+            old = "/".join(("cs336_inference", "kernels", source.name))  # that folder is gone now
             shown = subprocess.run(["git", "-C", str(root), "show", f"{revision}:{old}"], capture_output=True)
         if shown.returncode != 0:
             raise ValueError(f"cannot read {name} at {revision!r}: {shown.stderr.decode().strip()}")
