@@ -306,7 +306,7 @@ def compression_table(
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
+def format_quality_table(rows: list[dict]) -> str:
     """A fixed-width text table of compression_table's rows."""
     head = f"{'method':<12}{'bits/w':>8}{'MB':>9}{'ppl':>9}{'KL':>9}{'top1':>7}{'greedy':>8}{'prefix':>8}{'tok/s':>8}"
     lines = [head, "-" * len(head)]

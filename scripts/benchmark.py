@@ -114,10 +114,10 @@ def run_formats(args: argparse.Namespace, model, source: Path, prompt: torch.Ten
         amx=args.amx,
         gguf_source=source if source.suffix == ".gguf" else None,
     )
-    result["table"] = fb.format_table(result)
+    result["table"] = fb.format_formats_table(result)
     if args.png:
         args.png.parent.mkdir(parents=True, exist_ok=True)
-        fb.plot(result, args.png)
+        fb.plot_formats(result, args.png)
         log(f"wrote {args.png}")
     return result
 
@@ -236,7 +236,7 @@ def run_quant(args: argparse.Namespace) -> dict:
     header = f"{info['source']}\n{info['text']}, window {args.window}, stride {args.stride}; "
     header += f"decode: {args.decode_tokens} new tokens, median of {args.runs} interleaved rounds"
     return {**info, "python": evaluation.python_version(), "torch_threads": torch.get_num_threads(),
-            "table": header + "\n\n" + evaluation.format_table(rows), "rows": rows}  # fmt: skip
+            "table": header + "\n\n" + evaluation.format_quality_table(rows), "rows": rows}  # fmt: skip
 
 
 DRAFT_FORMATS = ("int8", "int4", "q8_0", "q4_0", "llm_int8")
@@ -289,7 +289,7 @@ def run_speculative(args: argparse.Namespace) -> dict:
         target, drafts, workloads, ks, args.max_new_tokens, stops, runs=args.runs, log=log,
         step_mode=step_mode,
     )  # fmt: skip
-    table = spec_bench.format_table(result["rows"])
+    table = spec_bench.format_speculative_table(result["rows"])
     if args.plot:
         spec_bench.plot_speedup(result["rows"], args.plot)
     return {"model": str(source), "threads": torch.get_num_threads(), "prompts": args.prompts,
@@ -313,7 +313,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
         model, prompt, args.new_tokens, args.runs, formats, hf=not args.no_transformers, log=log
     )
     result["model"] = name
-    result["table"] = cuda_bench.format_table(result)
+    result["table"] = cuda_bench.format_gpu_table(result)
     return result
 
 
@@ -348,9 +348,9 @@ def run_serve(args: argparse.Namespace) -> int:
         "cpu": platform.processor() or platform.machine(), "load_average_at_start": load_start,
         "load_average_at_end": os.getloadavg()[0], "command": "python scripts/benchmark.py " + " ".join(sys.argv[1:]),
     }  # fmt: skip
-    print(workload.format_table(result))
+    print(workload.format_serving_table(result))
     if args.markdown:
-        write_markdown(args.markdown, workload.format_table(result))
+        write_markdown(args.markdown, workload.format_serving_table(result))
     w = result["workload"]
     print(
         f"\n{w['num_requests']} requests, prompts median {w['prompt_len_median']:g} (max {w['prompt_len_max']}) "
@@ -364,7 +364,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}")
     if args.plot:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
-        workload.plot(result, args.plot)
+        workload.plot_serving(result, args.plot)
         print(f"wrote {args.plot}")
     return 0
 

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         return 2
     print(f"{info['source']}\n{info['text']}, window {args.window}, stride {args.stride}\n")
-    print(evaluation.format_table(rows))
+    print(evaluation.format_quality_table(rows))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {

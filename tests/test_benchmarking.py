@@ -18,12 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_summarize_reads_the_medians_off_the_token_stamps():
     # Two runs of 3 tokens: first token at 1.0 / 2.0 s, then 0.5 / 1.5 s per token.
     stamps = [[1.0, 1.5, 2.0], [2.0, 3.5, 5.0]]
-    s = bench.summarize(stamps, 3)
+    s = bench.summarize_stamps(stamps, 3)
     assert s["total_s"] == 3.5 and s["ttft_s"] == 1.5 and s["decode_step_s"] == 1.0
     assert s["tokens_per_s"] == 3 / 3.5 and s["runs_total_s"] == [2.0, 5.0]
     # Fewer tokens are read off the same runs (the first n steps are the same work).
-    assert bench.summarize(stamps, 2)["total_s"] == 2.5
-    assert bench.summarize(stamps, 1)["decode_step_s"] is None
+    assert bench.summarize_stamps(stamps, 2)["total_s"] == 2.5
+    assert bench.summarize_stamps(stamps, 1)["decode_step_s"] is None
 
 
 def test_decode_benchmark_on_a_tiny_model():
@@ -69,7 +69,7 @@ def test_format_benchmark_adds_amx_rows_and_leaves_amx_off_afterwards():
         "rows"
     ]
     assert r["settings"]["amx"] and set(r["t_token_cost_native_amx"]) == {"int8"}
-    assert "int8 n amx" in fb.format_table(r)
+    assert "int8 n amx" in fb.format_formats_table(r)
     # the switch is off again: an AMX-sized int8 product gives the AVX kernel's bits
     q, scale = torch.randint(-127, 128, (32, 64), dtype=torch.int8), torch.rand(32)
     x, y = torch.randn(2, 64), torch.empty(2, 32)
@@ -119,8 +119,8 @@ def test_format_benchmark_on_a_tiny_model(tmp_path):
         )
     assert set(r["t_token_cost"]["int8"]) == set(fb.T_SIZES)
     json.dumps(r)
-    assert "ours q4_0" in fb.format_table(r)
-    fb.plot(r, tmp_path / "formats.png")
+    assert "ours q4_0" in fb.format_formats_table(r)
+    fb.plot_formats(r, tmp_path / "formats.png")
     assert (tmp_path / "formats.png").stat().st_size > 0
 
 
@@ -141,7 +141,7 @@ def test_format_benchmark_adds_a_compiled_row_per_format():
     r = fb.format_benchmark(model, prompt, ["fp32"], new_tokens=2, rounds=1, llama_cpp=False, compiled=True)
     assert set(r["rows"]) == {"ours fp32", "ours fp32 compiled"} and r["settings"]["compiled"]
     assert r["rows"]["ours fp32 compiled"]["bytes_per_step"] == r["rows"]["ours fp32"]["bytes_per_step"]
-    assert "ours fp32 compiled" in fb.format_table(r)
+    assert "ours fp32 compiled" in fb.format_formats_table(r)
 
 
 def test_format_benchmark_adds_native_rows_and_their_t_token_costs(tmp_path):
@@ -153,7 +153,7 @@ def test_format_benchmark_adds_native_rows_and_their_t_token_costs(tmp_path):
     assert set(r["rows"]) == {f"ours {f}" for f in formats} | {f"ours {f} native" for f in formats}
     assert r["settings"]["native"] and set(r["t_token_cost_native"]) == set(formats)
     assert set(r["t_token_cost_native"]["int8"]) == set(fb.T_SIZES)
-    table = fb.format_table(r)
+    table = fb.format_formats_table(r)
     assert "ours int8 native" in table and "int8 n" in table
     # the arithmetic bound: at least 1, growing with T, printed under the costs; none for the a8
     # method, whose extra rows are integer dot products the fp32 peak does not bound
@@ -166,7 +166,7 @@ def test_format_benchmark_adds_native_rows_and_their_t_token_costs(tmp_path):
         "least cost from arithmetic alone" in table and "q4_0_a8 n " not in table.split("arithmetic alone")[1]
     )
     assert "(none for q4_0_a8: integer dot products" in table
-    fb.plot(r, tmp_path / "formats.png")
+    fb.plot_formats(r, tmp_path / "formats.png")
 
 
 def test_fma_rate_is_the_machines_arithmetic_roof():

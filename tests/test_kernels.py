@@ -952,11 +952,13 @@ def test_plans_are_kept_in_a_file_between_processes(monkeypatch, tmp_path):
     monkeypatch.setenv("CS336_AUTOTUNE_CACHE", str(path))
     monkeypatch.setattr(autotune, "measure", measure)
     monkeypatch.setattr(autotune, "_plans", {})
-    first = autotune.plan(40, 24)
+    first = autotune.product_plan(40, 24)
     assert calls == [(40, 24)] and path.exists()
     monkeypatch.setattr(autotune, "_plans", {})  # a new process
-    assert autotune.plan(40, 24) == first and calls == [(40, 24)], "read from the file, not measured again"
+    assert autotune.product_plan(40, 24) == first and calls == [(40, 24)], (
+        "read from the file, not measured again"
+    )
     monkeypatch.setenv("CS336_AUTOTUNE_CACHE", "0")
     monkeypatch.setattr(autotune, "_plans", {})
-    autotune.plan(40, 24)
+    autotune.product_plan(40, 24)
     assert calls == [(40, 24), (40, 24)], "CS336_AUTOTUNE_CACHE=0: measured every process"

@@ -165,3 +165,14 @@ def test_the_layering_check_catches_a_planted_import(tmp_path):
     assert "layers -> fast.autotune" in found, found
     assert "model -> fast" in found, found
     assert any(v.startswith("speculative -> sampling -> bench.decode") for v in found), found
+
+
+def test_no_two_public_classes_or_functions_share_a_name():
+    """A name says which thing it is: no public top-level class or function is defined twice in the package."""
+    where: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "cs336_inference").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    twice = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert not twice, f"public names defined more than once: {twice}"

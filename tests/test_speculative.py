@@ -640,7 +640,7 @@ def test_benchmark_library_on_tiny_models():
     assert spec_bench.expected_tokens_per_pass_drafted(0.5, [0, 2]) == pytest.approx((1 + 1.75) / 2)
     for r in rows:  # rounds drafting fewer than k tokens can only lower the formula
         assert r["predicted_tokens_per_pass_drafted"] <= r["predicted_tokens_per_pass"] + 1e-9, r
-    table = spec_bench.format_table(rows)
+    table = spec_bench.format_speculative_table(rows)
     assert table.count("\n") == len(rows) + 1 and "| repeat | ngram | 3 |" in table
 
 

@@ -45,7 +45,7 @@ def test_static_and_continuous_serve_every_request_like_generate_alone():
         assert engine.tokens[i] == alone, f"engine, request {i}"
         for t in (static, engine):
             assert r.arrival <= t.first[i] <= t.last[i]
-    s, e = workload.summarize(reqs, static), workload.summarize(reqs, engine)
+    s, e = workload.summarize_trace(reqs, static), workload.summarize_trace(reqs, engine)
     assert s["output_tokens"] == e["output_tokens"] == sum(r.max_new_tokens for r in reqs)
     assert e["kv_waste"] < s["kv_waste"], f"paged waste {e['kv_waste']:.2f} vs static {s['kv_waste']:.2f}"
     assert engine.extra["prefix_hits"] > 0, "the shared system prompt should hit the prefix cache"

@@ -75,7 +75,7 @@ def token_times(model: TransformerLM, prompt: torch.Tensor, n: int, use_cache: b
     return stamps
 
 
-def summarize(stamps_per_run: list[list[float]], n: int) -> dict:
+def summarize_stamps(stamps_per_run: list[list[float]], n: int) -> dict:
     """Median total time for n tokens, TTFT, decode step time, and tokens/s over the runs."""
     total = statistics.median(s[n - 1] for s in stamps_per_run)
     ttft = statistics.median(s[0] for s in stamps_per_run)
@@ -100,7 +100,7 @@ def cached_vs_naive(
     for n in sizes:
         token_times(model, prompt, min(n, 16), use_cache=True)
         stamps = [token_times(model, prompt, n, use_cache=True) for _ in range(runs)]
-        out["cached"][n] = summarize(stamps, n)
+        out["cached"][n] = summarize_stamps(stamps, n)
         log(f"  cached {n:4d} tokens: {out['cached'][n]['tokens_per_s']:8.1f} tok/s")
     token_times(model, prompt, 8, use_cache=False)  # warm-up
     longest = max(sizes)
@@ -109,7 +109,7 @@ def cached_vs_naive(
         naive_runs.append(token_times(model, prompt, longest, use_cache=False))
         log(f"  naive {longest} tokens, run {r + 1}/{runs}: {naive_runs[-1][-1]:.1f} s")
     for n in sizes:
-        out["naive"][n] = summarize(naive_runs, n)
+        out["naive"][n] = summarize_stamps(naive_runs, n)
         out["speedup"][n] = out["naive"][n]["total_s"] / out["cached"][n]["total_s"]
     return out
 
@@ -294,7 +294,7 @@ def decode_benchmark(
 
     # Roofline of the cached decode at vs_n tokens (measured again so that it sits next to the floor).
     stamps = [token_times(model, prompt, vs_n, use_cache=True) for _ in range(runs)]
-    cached_vs_n = summarize(stamps, vs_n)
+    cached_vs_n = summarize_stamps(stamps, vs_n)
     floor_s, floor_t_s = matvec_floor(model, runs), matvec_floor(model, runs, transposed=True)
     result["roofline"] = decode_roofline(model, cached_vs_n, len(prompt), bandwidth, floor_s, floor_t_s)
     table, summary = profile_decode(model, prompt)

@@ -348,7 +348,7 @@ def on_amx(fn, *args):
         return fn(*args)
 
 
-def format_table(r: dict) -> str:
+def format_formats_table(r: dict) -> str:
     env, st = r["env"], r["settings"]
     lines = [
         f"decode by weight format: {env['cpu']}, {env['threads']} threads, torch {env['torch']}, kernels "
@@ -394,7 +394,7 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(r: dict, path: Path) -> None:
+def plot_formats(r: dict, path: Path) -> None:
     """tokens/s against bits per weight: ours, llama.cpp (at its format's nominal bits), the roofline."""
     import matplotlib
 

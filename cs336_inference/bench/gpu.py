@@ -214,7 +214,7 @@ def cuda_decode_benchmark(
     }
 
 
-def format_table(r: dict) -> str:
+def format_gpu_table(r: dict) -> str:
     lines = [
         f"GPU decode: {r['env']['gpu']}, torch {r['env']['torch']}, read bandwidth "
         f"{r['env']['read_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; batch 1, {r['settings']['new_tokens']} "

@@ -183,7 +183,7 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if values else float("nan")
 
 
-def summarize(requests: list[WorkloadRequest], trace: Trace) -> dict:
+def summarize_trace(requests: list[WorkloadRequest], trace: Trace) -> dict:
     """Throughput, TTFT / TPOT (median, p99), end-to-end latency, KV memory reserved vs needed."""
     n_out = sum(len(t) for t in trace.tokens)
     start = min(r.arrival for r in requests)
@@ -243,14 +243,14 @@ def serving_benchmark(
         requests = make_workload(num_requests, rate, model.config.vocab_size, seed, **(workload_kwargs or {}))
         log(f"rate {rate:g} req/s: static batching")
         static = run_static(model, requests, batch_size)
-        runs.append({"rate": rate, "system": "static"} | summarize(requests, static) | static.extra)
+        runs.append({"rate": rate, "system": "static"} | summarize_trace(requests, static) | static.extra)
         variants = [("continuous", True)] + (
             [("continuous, no prefix cache", False)] if rate == rates[-1] else []
         )
         for name, prefix_caching in variants:
             log(f"rate {rate:g} req/s: {name}")
             trace = run_engine(model, requests, **engine_kwargs, prefix_caching=prefix_caching)
-            row = {"rate": rate, "system": name} | summarize(requests, trace)
+            row = {"rate": rate, "system": name} | summarize_trace(requests, trace)
             row |= {k: trace.extra[k] for k in ENGINE_KEYS}
             # greedy both ways: each request's tokens should agree (float noise can flip a near tie)
             row["same_tokens_as_static"] = sum(
@@ -273,7 +273,7 @@ def serving_benchmark(
     return {"workload": workload, "engine": engine_kwargs, "runs": runs}
 
 
-def format_table(result: dict) -> str:
+def format_serving_table(result: dict) -> str:
     """The runs as a markdown table."""
     head = (
         "| rate (req/s) | system | throughput (tok/s) | TTFT median / p99 (s) | TPOT median / p99 (ms) "
@@ -292,7 +292,7 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict, path) -> None:
+def plot_serving(result: dict, path) -> None:
     """Throughput and TTFT (median, p99) against the arrival rate, static vs continuous."""
     import matplotlib
 

@@ -225,7 +225,7 @@ def speculative_benchmark(
     return {"rows": rows, "costs": {**costs, "draft_ratio": draft_ratio}}
 
 
-def format_table(rows: list[dict]) -> str:
+def format_speculative_table(rows: list[dict]) -> str:
     """A markdown table of the rows."""
     head = (
         "| workload | draft | k | alpha | tokens/pass | formula | formula, drafted | verify cost | draft cost | "

@@ -2,7 +2,7 @@
 
 For a decode-shaped call (1..32 rows) the fastest of four ways to compute x W^T depends on the CPU,
 its BLAS and the shape: torch's F.linear or our kernel, with W stored row-major ([O, I] contiguous)
-or column-major (W^T contiguous, how layers.transposed_empty allocates it). `plan(O, I)` times the
+or column-major (W^T contiguous, how layers.transposed_empty allocates it). `product_plan(O, I)` times the
 four on random weights of that shape at M = 1 and M = 5 rows (once per shape and thread count per
 process, under a second for SmolLM2's shapes) and keeps the one with the smallest total. Each
 candidate runs over a ring of copies of the weight (RING_BYTES in all, at most RING_COPIES), as a
@@ -139,7 +139,7 @@ def _write_plan(path: Path, name: str, p: Plan) -> None:
         pass  # a read-only home: plans are measured again next time
 
 
-def plan(d_out: int, d_in: int) -> Plan:
+def product_plan(d_out: int, d_in: int) -> Plan:
     """The plan for this shape: from this process, else from the plans file, else measured (and saved)."""
     key = _key(d_out, d_in)
     if key not in _plans:
@@ -192,7 +192,7 @@ def settle(layer) -> Plan:
     """The plan for layer's fp32 weight shape, with the weight re-stored in its layout if it was not
     (same values and shape; only the strides change). The native step settles its layers this way."""
     weight = layer.weight
-    p = plan(*weight.shape)
+    p = product_plan(*weight.shape)
     if (p.layout == "rows") != weight.is_contiguous():
         # A normal tensor even under inference_mode, so the model can still be trained afterwards;
         # but an inference tensor (a model loaded under inference_mode) stays one: a Parameter made

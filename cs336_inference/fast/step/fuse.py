@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from cs336_inference.fast import readable_type
-from cs336_inference.fast.autotune import _stored, decode_linear, plan
+from cs336_inference.fast.autotune import _stored, decode_linear, product_plan
 from cs336_inference.fast.cpu import build
 from cs336_inference.fast.cpu.ops import quantized_linear
 from cs336_inference.layers import Linear, skip_random_init
@@ -72,7 +72,7 @@ class Siblings:
                 with skip_random_init():  # the stacked weight is copied in below
                     self.stacked = Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
                 # stored in the layout the planner picks for the stacked shape, so it is never re-stored
-                self.stacked.weight.data = _stored(weight, plan(*weight.shape).layout)
+                self.stacked.weight.data = _stored(weight, product_plan(*weight.shape).layout)
                 if bias is not None:
                     self.stacked.bias.data = bias
                 views = {"weight": self.stacked.weight.data}
