@@ -21,6 +21,8 @@ from pathlib import Path
 
 from . import rubric as rubric_mod
 
+TIMEOUT = 300.0  # seconds one graded test may run (the slowest reference test takes a few)
+
 
 class GradeError(RuntimeError):
     """Grading itself could not run (bad arguments, pytest usage or internal error)."""
@@ -31,7 +33,7 @@ class GradedTest:
     nodeid: str
     problem: str
     points: float  # this case's share of its test function's points (from the rubric)
-    outcome: str = "not run"  # passed, failed, error (setup/teardown), skipped, not run
+    outcome: str = "not run"  # passed, failed, error (setup/teardown), timeout, skipped, not run
     output: str = ""
 
     @property
@@ -87,8 +89,10 @@ def run_graded(
     workers: int = 0,
     extra: list[str] | None = None,
     problems: list[str] | None = None,
+    timeout: float | None = TIMEOUT,
 ) -> GradeRun:
-    """Grade `submission` (default: the checkout's own code, as it is) with repo's graded tests and rubric."""
+    """Grade `submission` (default: the checkout's own code, as it is) with repo's graded tests and rubric.
+    A graded test running past `timeout` seconds fails as "timeout" (None: no limit)."""
     repo = Path(repo).resolve()
     if not (repo / "tests").is_dir():
         raise GradeError(f"{repo} has no tests/ folder")
@@ -115,6 +119,7 @@ def run_graded(
             "no:cacheprovider",
         ]
         cmd += ["--grade-report", str(report), "--continue-on-collection-errors"]
+        cmd += ["--graded-timeout", str(timeout)] if timeout else []
         cmd += ["--submission", str(Path(submission).resolve())] if submission is not None else []
         cmd += ["-k", k] if k else []
         cmd += ["-n", str(workers)] if workers else []

@@ -6,13 +6,19 @@
 - `--grade-report FILE`: writes one outcome per graded test case (the controller, under xdist too);
 - `--collect-graded FILE`: writes the collected graded cases (nodeid, problem, points), for the rubric;
 - `--problem NAME` (repeatable): runs only that problem's graded tests (`pytest --problem rope`);
-- `--trace-needs FILE`: records which problems' functions each graded test calls (for the rubric).
+- `--trace-needs FILE`: records which problems' functions each graded test calls (for the rubric);
+- `--graded-timeout SECONDS`: a graded test still running after that long is stopped and counts as
+  failed ("timeout"), so an infinite loop costs its own problem's points and the rest is still graded.
+  (A SIGALRM in the test's thread: Python code is stopped at once, a long C call when it returns.)
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,7 +27,34 @@ from . import rubric as rubric_mod
 from .submission import Submission, SubmissionError, reference_function
 
 MAX_OUTPUT = 4000  # characters of failure output kept per test (the end, where the error is)
-_RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 2}
+_RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 2, "timeout": 3}
+
+
+class GradedTestTimeout(Exception):
+    """Raised inside a graded test that runs past --graded-timeout."""
+
+
+@contextmanager
+def time_limit(seconds: float | None, nodeid: str):
+    """Raise GradedTestTimeout in this thread after `seconds` (None, or no SIGALRM here: no limit)."""
+    if (
+        not seconds
+        or not hasattr(signal, "setitimer")
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        yield
+        return
+
+    def stop(signum, frame):
+        raise GradedTestTimeout(f"ran past {seconds:g} s, the time limit of a graded test ({nodeid})")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def pytest_addoption(parser):
@@ -34,6 +67,9 @@ def pytest_addoption(parser):
     group.addoption("--problem", action="append", default=None, help="run only this problem's graded tests")
     group.addoption(
         "--trace-needs", default=None, help="write the problems each graded test calls to this file"
+    )
+    group.addoption(
+        "--graded-timeout", type=float, default=None, help="seconds a graded test may run (default: no limit)"
     )
 
 
@@ -123,6 +159,20 @@ class GradingPlugin:
         if self.trace_path:
             sys.setprofile(None)
 
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item):
+        if graded_marker(item) is None:
+            yield
+            return
+        with time_limit(self.config.getoption("--graded-timeout"), item.nodeid):
+            yield
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        if call.excinfo is not None and call.excinfo.errisinstance(GradedTestTimeout):
+            outcome.get_result().user_properties.append(("timeout", str(call.excinfo.value)))
+
     def _start_trace(self, nodeid: str) -> None:
         if self._codes is None:  # code object -> problem, from the solution blocks (not the rubric)
             self._codes = {}
@@ -148,7 +198,10 @@ class GradingPlugin:
         problem, points, index = graded
         new = {"nodeid": report.nodeid, "problem": problem, "points": points, "index": index}
         result = self.results.setdefault(report.nodeid, {**new, "outcome": "passed", "output": ""})
-        if report.failed:
+        timeout = dict(report.user_properties).get("timeout")
+        if report.failed and timeout is not None:
+            outcome, text = "timeout", timeout
+        elif report.failed:
             outcome, text = ("failed" if report.when == "call" else "error"), report.longreprtext
         elif report.skipped and hasattr(report, "wasxfail"):
             outcome, text = "failed", f"expected to fail (xfail): {report.wasxfail}"

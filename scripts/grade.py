@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from cs336_grading.grader import GradeError, results_json, run_graded, summary_lines, write_rubric
+from cs336_grading.grader import TIMEOUT, GradeError, results_json, run_graded, summary_lines, write_rubric
 from cs336_grading.rubric import RUBRIC, RubricError, load
 
 
@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--problem", action="append", help="grade only this problem (repeatable)")
     parser.add_argument("-k", default=None, help="only run graded tests matching this pytest -k expression")
     parser.add_argument("-n", type=int, default=0, help="pytest-xdist workers (0: none)")
+    parser.add_argument(
+        "--timeout", type=float, default=TIMEOUT, help=f"seconds a graded test may run (default {TIMEOUT:g})"
+    )
     parser.add_argument("--write-rubric", action="store_true", help=f"regenerate {RUBRIC} from this checkout")
     args = parser.parse_args(argv)
     try:
@@ -40,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise GradeError(f"unknown problem {unknown[0]!r}; see {RUBRIC}")
         extra = [f"--problem={p}" for p in args.problem or []]
         run = run_graded(
-            here, submission=args.submission, k=args.k, workers=args.n, extra=extra, problems=args.problem
+            here, args.submission, args.k, args.n, extra, problems=args.problem, timeout=args.timeout
         )
         args.out.write_text(json.dumps(results_json(run), indent=2) + "\n")
     except (GradeError, RubricError, OSError) as e:

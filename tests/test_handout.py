@@ -551,3 +551,26 @@ def test_the_handout_mentions_only_what_it_ships(tmp_path):
     assert not missing, "\n".join(sorted(set(missing)))
     readme = (out / "README.md").read_text()
     assert readme.startswith("# CS336 Assignment") and "python -m pytest --problem" in readme
+
+
+def test_a_graded_test_that_never_returns_times_out_and_the_rest_is_graded(tmp_path):
+    """The grader's per-test time limit: a solution that loops forever costs its own problem's tests
+    (each stopped after the limit, one TIMEOUT line each) and every other problem is still graded."""
+    from cs336_grading import catalog
+    from cs336_grading.grader import run_graded, summary_lines
+
+    loop = catalog.WrongSolution(
+        "rmsnorm", "loops", "never returns", "cs336_inference/layers.py",
+        [("        dtype = x.dtype\n        x32 = x.float()\n", "        while True:\n            pass\n")],
+    )  # fmt: skip
+    submission = catalog.make_submission(REPO, loop, tmp_path)
+    problems = ["rmsnorm", "swiglu"]
+    run = run_graded(
+        REPO, submission, extra=[f"--problem={p}" for p in problems], problems=problems, timeout=2
+    )
+    rmsnorm = [t for t in run.tests if t.problem == "rmsnorm"]
+    assert rmsnorm and all(t.outcome == "timeout" for t in rmsnorm), [(t.nodeid, t.outcome) for t in rmsnorm]
+    scores = run.problem_scores()
+    assert scores["rmsnorm"][0] == 0 and scores["swiglu"][0] == scores["swiglu"][1] > 0, scores
+    timeouts = [line for line in summary_lines(run) if line.startswith("TIMEOUT ")]
+    assert len(timeouts) == len(rmsnorm) and all("ran past 2 s" in line for line in timeouts), timeouts
