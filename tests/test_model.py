@@ -199,6 +199,7 @@ class AllocationRecorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.allocations: list[tuple[int, str]] = []  # (numel, op)
+        self.shapes: list[tuple[tuple[int, ...], str]] = []  # (shape, op), in the same order
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -208,6 +209,7 @@ class AllocationRecorder(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
                 self.allocations.append((t.numel(), str(func)))
+                self.shapes.append((tuple(t.shape), str(func)))
         return out
 
 
@@ -412,6 +414,25 @@ def test_mla_absorbed_reads_no_per_head_keys():
     with torch.no_grad():
         model(torch.randint(0, 97, (1, 5)))
     assert calls == [], f"the absorbed path called kv_b_proj {len(calls)} times: it builds per-head K/V"
+
+    # Nor from W_UK / W_UV by hand: a decode step against S cached steps allocates no tensor that holds
+    # a number per (head, cached step, feature), the per-head keys or values absorption exists to avoid.
+    dims = {**MLA_DIMS, "kv_lora_rank": 20}  # a latent width unlike every head width
+    model = tiny_model(**dims)
+    N, S = model.config.n_heads, 9
+    cache = model.new_cache(1, 16)
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, S - 1)), cache=cache)
+        recorder = AllocationRecorder()
+        with recorder:
+            model(torch.tensor([[5]]), cache=cache)  # decode: the absorbed path
+    widest = N * S * min(dims["qk_nope_head_dim"], dims["v_head_dim"])  # one head width per (head, step)
+    for shape, op in recorder.shapes:
+        numel = math.prod(shape)
+        assert not ((S in shape or N * S in shape) and numel >= widest), (
+            f"the decode step created a {list(shape)} tensor ({op}): absorbed MLA should never build per-head "
+            f"keys or values ({N} heads x {S} cached steps x a head width = {widest} or more numbers)"
+        )
 
 
 # ------------------------------------------------------------------------------ bad configs

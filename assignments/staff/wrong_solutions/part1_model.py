@@ -309,6 +309,28 @@ WRONG = [
     ),
     dict(
         problem="mla",
+        name="absorbed_builds_per_head_kv",
+        mistake="the right numbers at the wrong cost: the 'absorbed' path multiplies the cached latents by "
+        "W_UK and W_UV itself, building every head's keys and values for every cached step (what absorption "
+        "exists to avoid), without calling kv_b_proj",
+        file=ATTENTION,
+        edits=[
+            (
+                '        q_latent = torch.einsum("bntd,ndr->bntr", q_nope, w_uk)\n'
+                '        scores = torch.einsum("bntr,bsr->bnts", q_latent, c_kv) + torch.einsum("bntp,bsp->bnts", q_pe, k_pe)\n',
+                '        k_nope = torch.einsum("bsr,ndr->bnsd", c_kv, w_uk)\n'
+                '        scores = torch.einsum("bntd,bnsd->bnts", q_nope, k_nope) + torch.einsum("bntp,bsp->bnts", q_pe, k_pe)\n',
+            ),
+            (
+                '        out_latent = torch.einsum("bnts,bsr->bntr", probs, c_kv)\n'
+                '        return torch.einsum("bntr,nvr->bntv", out_latent, w_uv)\n',
+                '        v = torch.einsum("bsr,nvr->bnsv", c_kv, w_uv)\n'
+                '        return torch.einsum("bnts,bnsv->bntv", probs, v)\n',
+            ),
+        ],
+    ),
+    dict(
+        problem="mla",
         name="naive_heads_minor",
         mistake="splits kv_b_proj's output as (d n) instead of (n d): head and feature indices mixed up",
         file=ATTENTION,
