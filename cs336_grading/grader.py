@@ -208,7 +208,12 @@ def summary_lines(run: GradeRun) -> list[str]:
 
 
 def last_line(text: str) -> str:
+    """The line that says what went wrong: the first 'E   SomeError: ...' of pytest's report (its
+    assertion message, not the diff pytest adds after it), else the last line."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("E ") and "Error" in line.split(":", 1)[0]:
+            return line
     return lines[-1] if lines else ""
 
 

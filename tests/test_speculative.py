@@ -345,11 +345,22 @@ def test_verify_drafts_one_round():
         with torch.no_grad():
             target(ids[None, :-1], cache=cache)
         p = torch.nn.functional.one_hot(drafts, V).float()
-        out = verify_drafts(
-            target, cache, ids[-1:], drafts, p, 0.0, None, None, torch.Generator().manual_seed(0)
+        passes = []  # the cost: one target forward over last_token + the k drafts, not one per token
+        hook = target.register_forward_pre_hook(
+            lambda m, args, passes=passes: passes.append(list(args[0].shape))
         )
+        try:
+            out = verify_drafts(
+                target, cache, ids[-1:], drafts, p, 0.0, None, None, torch.Generator().manual_seed(0)
+            )
+        finally:
+            hook.remove()
         n = 5 if wrong_at is None else wrong_at + 1
         what = f"verify_drafts with drafts {drafts.tolist()} (target greedy {greedy[:5].tolist()})"
+        assert passes == [[1, len(drafts) + 1]], (
+            f"{what}: the target ran on {passes}; a verify pass is one forward over the k + 1 = "
+            f"{len(drafts) + 1} tokens [last_token, drafts] ([[1, {len(drafts) + 1}]])"
+        )
         check_tokens(what, out, greedy[:n])
         assert cache.pos == len(ids) + n - 1, (
             f"{what}: after the round the cache must hold prompt + {n - 1} accepted tokens = "

@@ -55,6 +55,16 @@ WRONG = [
     # ------------------------------------------------------------------ speculative_verify
     dict(
         problem="speculative_verify",
+        name="one_forward_per_draft",
+        mistake="the right tokens at the wrong cost: runs the target once per position (k + 1 one-token "
+        "cached forwards) instead of one pass over [last_token, drafts], so a round costs k + 1 decode "
+        "steps and speculation can never pay",
+        file=FILE,
+        find="    logits = target(ids, cache=cache)[0]  # [k + 1, V]: logits[i] predicts the token at draft i's place\n",
+        replace="    logits = torch.cat([target(ids[:, i : i + 1], cache=cache)[0] for i in range(k + 1)])\n",
+    ),
+    dict(
+        problem="speculative_verify",
         name="rollback_one_too_many",
         mistake="truncates the cache to pos - (k - n) - 1, forgetting the last accepted token's K/V too",
         file=FILE,
