@@ -40,14 +40,14 @@ def check_close(what: str, got: torch.Tensor, expected: torch.Tensor, atol: floa
 
 def check_incremental(name: str, chunks: list[int], spare: int = 0, dtype: torch.dtype = torch.float32):
     """Feed the tokens chunk by chunk through a cache: every chunk's logits equal the full forward's."""
-    model = tiny_model(**VARIANTS[name]).to(dtype)
+    model = tiny_model(**VARIANTS[name], max_seq_len=max(64, sum(chunks))).to(dtype)
     ids = torch.randint(0, 97, (2, sum(chunks)), generator=torch.Generator().manual_seed(len(chunks)))
     with torch.no_grad():
         full = model(ids)
         # bf16: cached and full may run different kernels (MLA decode even another formula: absorbed),
         # each rounding to 8 bits of mantissa; seen: 0 for K/V caches, 1.4% of the largest logit for MLA.
         atol = 1e-4 if dtype == torch.float32 else 0.04 * float(full.float().abs().max())
-        cache, t = model.new_cache(2, 40, spare=spare), 0
+        cache, t = model.new_cache(2, max(40, sum(chunks)), spare=spare), 0
         for n in chunks:
             out = model(ids[:, t : t + n], cache=cache)
             what = f"variant {name}, chunks {chunks}" + (f", spare {spare}" if spare else "")
@@ -63,6 +63,9 @@ def check_incremental(name: str, chunks: list[int], spare: int = 0, dtype: torch
 
 DECODE = [6] + [1] * 14  # 20 tokens: longer than every window
 CHUNKED = [5, 3, 1, 2, 4, 1, 4]
+# 247 tokens: multi-token queries against a cache of a hundred steps and more, the rings of the
+# sliding-window variants (4-5 slots) wrapped some fifty times
+LONG = [24] + [1] * 60 + [7, 3] + [1] * 40 + [9, 5, 2] + [1] * 80 + [6, 11]
 
 
 @pytest.mark.graded(problem="kv_cache", points=3)
@@ -70,6 +73,7 @@ CHUNKED = [5, 3, 1, 2, 4, 1, 4]
 def test_static_cache_prefill_then_decode_equals_full_forward(name):
     check_incremental(name, DECODE)
     check_incremental(name, CHUNKED)
+    check_incremental(name, LONG)
 
 
 def check_store(what: str, got: tuple, written: list[tuple], end: int, names=("keys", "values")):
@@ -108,7 +112,15 @@ def test_static_cache_update_writes_and_returns_steps_so_far():
         written.append(kv)
         got = store.update(*kv, start)
         start += T
-        check_store(f"StaticKVCache(S_max=10).update of {T} steps at {start - T}", got, written, start)
+        what = f"StaticKVCache(S_max=10).update of {T} steps at {start - T}"
+        check_store(what, got, written, start)
+        # the cost: the new steps are written into the preallocated storage and what attention reads is
+        # a view of it, never a copy of the whole prefix made again at every step (torch.cat, clone)
+        for name, out, storage in (("keys", got[0], store.k), ("values", got[1], store.v)):
+            assert out.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr(), (
+                f"{what}: the returned {name} are a new [{', '.join(map(str, out.shape))}] tensor, not a view "
+                f"of the cache: a decode step would copy all {start} cached steps again"
+            )
 
 
 @pytest.mark.graded(problem="kv_cache", points=1)
@@ -127,6 +139,7 @@ def test_bf16_prefill_then_decode_equals_full_forward(name):
 @pytest.mark.parametrize("name", ["sliding", "hybrid"])
 def test_ring_prefill_then_decode_equals_full_forward(name):
     check_incremental(name, DECODE)
+    check_incremental(name, LONG)
 
 
 @pytest.mark.graded(problem="ring_cache", points=3)
@@ -215,6 +228,7 @@ def test_ring_update_returns_every_needed_key_and_advances_pos(spare):
 def test_mla_cache_prefill_then_decode_equals_full_forward(name):
     check_incremental(name, DECODE)
     check_incremental(name, CHUNKED)
+    check_incremental(name, LONG)
 
 
 @pytest.mark.graded(problem="mla_cache", points=1)

@@ -11,6 +11,17 @@ WRONG = [
     # ------------------------------------------------------------------------------------ kv_cache
     dict(
         problem="kv_cache",
+        name="returns_a_grown_copy",
+        mistake="the right numbers at the wrong cost: writes the new steps but returns the prefix "
+        "concatenated with them (torch.cat), a new tensor of every cached step made again at each decode step",
+        file=KV_CACHE,
+        find="        return self.k[:, :, :end], self.v[:, :, :end], self.steps[:end]\n",
+        replace="        k_all = torch.cat([self.k[:, :, :start], k], dim=2)\n"
+        "        v_all = torch.cat([self.v[:, :, :start], v], dim=2)\n"
+        "        return k_all, v_all, self.steps[:end]\n",
+    ),
+    dict(
+        problem="kv_cache",
         name="returns_full_capacity",
         mistake="returns the whole preallocated cache, unwritten zero slots included, instead of steps < end",
         file=KV_CACHE,
