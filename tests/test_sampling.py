@@ -197,6 +197,16 @@ def test_top_p_keeps_the_smallest_set_reaching_p(p, kept):
         )
     finite = torch.isfinite(out)
     assert torch.equal(out[finite], logits[finite]), f"top_p_filter(p={p}): kept logits changed value"
+    # The boundary, exactly: 8 equal logits have probability 1/8 each (exact in floating point), so the
+    # mass ranked above the j-th token is exactly j/8. Where p is such a mass, the rule (kept iff the
+    # mass above is < p) keeps j tokens, not j + 1: the nucleus has just reached p.
+    uniform = torch.zeros(1, 8)
+    for j in (1, 2, 4, 7):
+        got = int(torch.isfinite(top_p_filter(uniform, j / 8)).sum())
+        assert got == j, (
+            f"top_p_filter(p={j}/8) on 8 equal logits (1/8 each): expected {j} tokens (the mass of {j} "
+            f"already equals p; a token is kept iff the mass above it is < p), kept {got}"
+        )
 
 
 @pytest.mark.graded(problem="sampling", points=1)

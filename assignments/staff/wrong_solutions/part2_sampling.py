@@ -119,6 +119,15 @@ WRONG = [
     ),
     dict(
         problem="sampling",
+        name="top_p_keeps_one_past_the_boundary",
+        mistake="drops a token only when the mass above it EXCEEDS p, so where the nucleus reaches p exactly "
+        "one more token is kept than the smallest set (a boundary the hand-made cases never hit)",
+        file=FILE,
+        find="drop_sorted = mass_above >= p",
+        replace="drop_sorted = mass_above > p",
+    ),
+    dict(
+        problem="sampling",
         name="top_p_unsorted_cumsum",
         mistake="accumulates the probabilities in vocabulary order instead of from the most likely down",
         file=FILE,
