@@ -188,21 +188,31 @@ def results_json(run: GradeRun) -> dict:
     }
 
 
+SHOWN_PER_PROBLEM = 3  # failing tests listed per problem (all of them are in results.json)
+
+
 def summary_lines(run: GradeRun) -> list[str]:
-    """Tests not passed, a table per problem, and last the line 'TOTAL: <score> / <max>'."""
-    lines = [f"COLLECTION ERROR {nodeid}: {last_line(out)}" for nodeid, out in run.collection_errors]
-    lines += [
-        f"{t.outcome.upper()} {t.nodeid} ({t.problem}): {last_line(t.output)}"
-        for t in run.tests
-        if t.outcome != "passed"
-    ]
+    """A table per problem, then each problem's first few tests not passed (with the line that says
+    why), and last the line 'TOTAL: <score> / <max>'."""
     scores = run.problem_scores()
     width = max([len("problem")] + [len(p) for p in scores])
-    lines.append(f"{'problem':<{width}}  {'tests passed':>12}  {'points':>13}")
+    lines = [f"{'problem':<{width}}  {'tests passed':>12}  {'points':>13}"]
     for problem, (score, points) in scores.items():
         tests = [t for t in run.tests if t.problem == problem]
         passed = f"{sum(t.outcome == 'passed' for t in tests)}/{len(tests)}"
         lines.append(f"{problem:<{width}}  {passed:>12}  {fmt(score) + ' / ' + fmt(points):>13}")
+    lines += [f"COLLECTION ERROR {nodeid}: {last_line(out)}" for nodeid, out in run.collection_errors]
+    for problem in scores:
+        bad = [t for t in run.tests if t.problem == problem and t.outcome != "passed"]
+        reasons = {(t.outcome, last_line(t.output)) for t in bad}
+        if len(bad) > 1 and len(reasons) == 1:  # e.g. a problem not started: one line, not one per test
+            outcome, why = reasons.pop()
+            lines.append(f"{outcome.upper()} all {len(bad)} tests of {problem}: {why}")
+            continue
+        shown = bad[:SHOWN_PER_PROBLEM]
+        lines += [f"{t.outcome.upper()} {t.nodeid} ({problem}): {last_line(t.output)}" for t in shown]
+        if len(bad) > len(shown):
+            lines.append(f"... and {len(bad) - len(shown)} more of {problem} (results.json has them all)")
     lines.append(f"TOTAL: {fmt(run.score)} / {fmt(run.max_score)}")
     return lines
 
