@@ -209,7 +209,38 @@ def make_handout(src: Path, out: Path) -> dict:
             shutil.copymode(src / rel, dst)
         else:
             shutil.copy2(src / rel, dst)
-    return {"files": len(kept), "left_out": len(files) - len(kept), "blocks": blocks, "out": out}
+    committed = _git_init(out)
+    return {
+        "files": len(kept),
+        "left_out": len(files) - len(kept),
+        "blocks": blocks,
+        "out": out,
+        "git": committed,
+    }
+
+
+def _git_init(out: Path) -> bool:
+    """Make the handout a git repository with one commit of the starting code, so a student can
+    `git diff` their own work; False (and no repository) if git is missing or fails."""
+    if shutil.which("git") is None:
+        return False
+    who = [
+        "-c",
+        "user.name=CS336 staff",
+        "-c",
+        "user.email=staff@cs336.invalid",
+        "-c",
+        "commit.gpgsign=false",
+    ]
+    for cmd in (
+        ["init", "-q"],
+        ["add", "-A"],
+        [*who, "commit", "-q", "-m", "The handout: the starting code"],
+    ):
+        if subprocess.run(["git", "-C", str(out), *cmd], capture_output=True).returncode != 0:
+            shutil.rmtree(out / ".git", ignore_errors=True)
+            return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"make_handout: wrote {summary['files']} files to {summary['out']} "
         f"({summary['left_out']} staff-only left out); stripped {sum(blocks.values())} blocks: {per_problem}"
+        + ("; a git repository with the starting code committed" if summary["git"] else "")
     )
     return 0
 
