@@ -415,17 +415,18 @@ def test_mla_absorbed_reads_no_per_head_keys():
         model(torch.randint(0, 97, (1, 5)))
     assert calls == [], f"the absorbed path called kv_b_proj {len(calls)} times: it builds per-head K/V"
 
-    # Nor from W_UK / W_UV by hand: a decode step against S cached steps allocates no tensor that holds
-    # a number per (head, cached step, feature), the per-head keys or values absorption exists to avoid.
+    # Nor from W_UK / W_UV by hand: one decode query against S cached latents allocates no tensor that
+    # holds a number per (head, cached step, feature), the per-head keys or values absorption avoids.
     dims = {**MLA_DIMS, "kv_lora_rank": 20}  # a latent width unlike every head width
-    model = tiny_model(**dims)
-    N, S = model.config.n_heads, 9
-    cache = model.new_cache(1, 16)
-    with torch.no_grad():
-        model(torch.randint(0, 97, (1, S - 1)), cache=cache)
-        recorder = AllocationRecorder()
-        with recorder:
-            model(torch.tensor([[5]]), cache=cache)  # decode: the absorbed path
+    attn = tiny_model(**dims).layers[0].attn
+    B, N, S, p = 1, attn.n_heads, 9, dims["qk_rope_head_dim"]
+    g = torch.Generator().manual_seed(0)
+    q_nope = torch.randn(B, N, 1, dims["qk_nope_head_dim"], generator=g)
+    q_pe, c_kv = torch.randn(B, N, 1, p, generator=g), torch.randn(B, S, dims["kv_lora_rank"], generator=g)
+    k_pe = torch.randn(B, S, p, generator=g)
+    recorder = AllocationRecorder()
+    with torch.no_grad(), recorder:
+        attn.absorbed(q_nope, q_pe, c_kv, k_pe, None)
     widest = N * S * min(dims["qk_nope_head_dim"], dims["v_head_dim"])  # one head width per (head, step)
     for shape, op in recorder.shapes:
         numel = math.prod(shape)
