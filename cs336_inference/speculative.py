@@ -81,7 +81,11 @@ def accept_resample(
     drafts 0 .. n_accepted[b] - 1: draft i is accepted with probability min(1, q(x)/p(x)), and only if
     every earlier draft was. next_token[b] is drawn from max(q[b, n] - p[b, n], 0) normalised when
     draft n = n_accepted[b] was rejected, or from q[b, k] (the bonus token) when all k were accepted.
-    Uses exactly one uniform per draft and one multinomial draw per row from `generator`.
+    Edge cases: a draft with p(x) = 0 (one the draft could not have drawn) is accepted when q(x) > 0
+    and rejected when q(x) = 0; a residual that is all zeros (q = p up to rounding, so nothing is left
+    after the rejection) is replaced by q itself.
+    Draws from `generator`, in this order: one uniform per draft (torch.rand(B, k): row by row, draft 0
+    first), then one multinomial draw per row (torch.multinomial(dist, 1) over the B rows at once).
     """
     # BEGIN SOLUTION speculative_step
     B, k, V = p.shape

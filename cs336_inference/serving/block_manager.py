@@ -190,6 +190,9 @@ class BlockManager:
         For each full block i not yet in table.hashes: its key is block_hash(key of block i-1, its
         tokens); append it to table.hashes and, if no block holds that key yet, make this block the
         cached one (`cached[key] = block`, `key_of[block] = key`).
+        table.hashes only grows, one key per full block in block order (blocks it already has are
+        skipped); a partly filled last block gets no key. num_computed never exceeds the steps the
+        table's blocks hold.
         """
         if not self.prefix_caching:
             return
@@ -222,7 +225,9 @@ class BlockManager:
         For such a block: allocate a new one (`self._allocate()`), copy the contents
         (`copy_block(src, dst)`), drop this table's reference to the old one (allocator.free) and
         put the new one in its place; count it in cow_copies. Blocks held by this table alone are
-        written in place.
+        written in place. Steps past the table's last block are left alone (prepare_write grows the
+        table after this), and table.hashes is not changed: a copy holds the same tokens, so its key
+        stays right, but only the old block is the cached one.
         """
         bs = self.block_size
         # BEGIN SOLUTION prefix_cow

@@ -44,6 +44,9 @@ def gather_blocks(
     """Steps 0..length-1 of the sequence whose blocks are block_table, contiguous: [length, ...].
 
     Only the first ceil(length / block_size) blocks are read; the last one may be partly filled.
+    The cost, said plainly: this is a copy of the sequence's K/V (or latents) per layer per step,
+    which this readable version pays so that `attend` can run unchanged; vLLM's kernel reads the
+    blocks in place instead and never makes it.
     """
     # BEGIN SOLUTION paged_attention
     n = -(-length // store.shape[1])
