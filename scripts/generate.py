@@ -68,7 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-cache", action="store_true", help="naive generation: recompute the context each step"
     )
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: one per core idle at the start)",
+    )
     p.add_argument(
         "--draft",
         help='speculative decoding: a draft model (as --model), "ngram" (prompt lookup) or '
@@ -212,8 +217,13 @@ def run(args: argparse.Namespace) -> int:
     from cs336_inference.io.tokenizer import load_tokenizer
     from cs336_inference.sampling import SamplingParams, stream_generate
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    threads_note = ""
+    if args.threads is None:
+        from cs336_inference.fast.threads import auto_threads
+
+        args.threads, idle = auto_threads()  # on a busy machine fewer threads decode faster
+        threads_note = "" if idle is None else f" (auto: {idle:.1f} idle cores)"
+    torch.set_num_threads(args.threads)
     try:
         source = args.model if args.model is not None else default_model_path()
         model = load_pretrained(source, dtype=getattr(torch, args.dtype))
@@ -351,7 +361,8 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"[prompt {stats['prompt_tokens']} tokens, generated {n_new} tokens"
             f"{' (stopped at EOS)' if stopped else ''}; TTFT {stats['ttft_s'] * 1e3:.0f} ms; "
-            f"decode {speed} tokens/s; {stats['threads']} thread{'s' if stats['threads'] != 1 else ''}, "
+            f"decode {speed} tokens/s; {stats['threads']} thread{'s' if stats['threads'] != 1 else ''}"
+            f"{threads_note}, "
             f"{args.dtype}, {'KV cache' if stats['use_cache'] else 'no cache (naive)'}; {path}]",
             file=sys.stderr,
         )

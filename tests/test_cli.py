@@ -234,3 +234,19 @@ def test_capital_of_france_is_paris():
     piped = run_cli("--max-new-tokens", "16", *FAST, stdin="What is the capital of France?\n")
     assert piped.returncode == 0, piped.stderr
     assert piped.stdout == result.stdout
+
+
+def test_auto_threads_counts_the_idle_cores():
+    """The CLI's default thread count: one per core idle at the start (/proc/stat read twice)."""
+    from cs336_inference.fast.threads import idle_cores
+
+    def stat(cpu0: tuple[int, int], cpu1: tuple[int, int]) -> str:  # (busy, idle) jiffies per core
+        lines = ["cpu  0 0 0 0 0 0 0 0 0 0"]
+        lines += [f"cpu{i} {busy} 0 0 {idle} 0 0 0 0 0 0" for i, (busy, idle) in enumerate((cpu0, cpu1))]
+        return "\n".join(lines) + "\nintr 1 2 3\n"
+
+    before = stat((100, 100), (100, 100))
+    assert idle_cores(before, stat((100, 200), (100, 200)), {0, 1}) == 2.0, "both idle"
+    assert idle_cores(before, stat((200, 100), (100, 200)), {0, 1}) == 1.0, "one core kept busy"
+    assert idle_cores(before, stat((150, 150), (150, 150)), {0, 1}) == 1.0, "both half busy"
+    assert idle_cores(before, stat((200, 100), (100, 200)), {0}) == 0.0, "only the CPUs this process may use"
