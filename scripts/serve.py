@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share prompt-prefix blocks")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--eager", action="store_true", help="the readable PyTorch layers, not the kernels")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: one per idle core)")
     args = p.parse_args(argv)
     for name in ("num_blocks", "block_size", "max_batch_seqs", "max_batch_tokens"):
         if getattr(args, name) < 1:
@@ -47,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     import torch
+
+    from cs336_inference.fast.threads import auto_threads
+
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
+    torch.set_num_threads(args.threads or auto_threads()[0])  # a busy machine: fewer threads, no stalls
 
     from cs336_inference.io.checkpoint import default_model_path, load_pretrained
     from cs336_inference.io.sources import CheckpointError
@@ -74,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         prefix_caching=not args.no_prefix_caching,
     )
     path = "eager (readable PyTorch)" if args.eager else "fast path (kernels installed)"
-    print(f"serving {name!r} on http://{args.host}:{args.port}/v1; {path}", file=sys.stderr)
+    print(
+        f"serving {name!r} on http://{args.host}:{args.port}/v1; {path}, {torch.get_num_threads()} threads",
+        file=sys.stderr,
+    )
     uvicorn.run(create_app(engine, tokenizer, name), host=args.host, port=args.port, log_level="info")
     return 0
 
