@@ -161,6 +161,36 @@ def test_step_bonus_and_first_rejection():
     )
 
 
+@pytest.mark.graded(problem="speculative_step", points=1)
+def test_step_draws_in_the_documented_order():
+    """The docstring's random stream: torch.rand(B, k) first, then one multinomial draw per row. Replayed
+    here from the same seed with the rule written out, so a seeded speculative run is reproducible."""
+    B, k, V = 64, 3, 6
+    g = torch.Generator().manual_seed(11)
+    p = torch.softmax(torch.randn(B, k, V, generator=g), -1)
+    q = torch.softmax(torch.randn(B, k + 1, V, generator=g), -1)
+    x = torch.multinomial(p.reshape(-1, V), 1, generator=g).reshape(B, k)
+    n_acc, token = accept_resample(p, q, x, torch.Generator().manual_seed(5))
+    replay = torch.Generator().manual_seed(5)
+    u = torch.rand(B, k, generator=replay)
+    want_n, rows = [], []
+    for b in range(B):
+        n = 0
+        while n < k and float(u[b, n]) < float(q[b, n, x[b, n]] / p[b, n, x[b, n]]):
+            n += 1
+        want_n.append(n)
+        rows.append(q[b, k] if n == k else (q[b, n] - p[b, n]).clamp(min=0))
+    want_token = torch.multinomial(torch.stack(rows), 1, generator=replay)[:, 0]
+    assert n_acc.tolist() == want_n, (
+        f"n_accepted {n_acc[:12].tolist()}..., expected {want_n[:12]}... from u = torch.rand(B, k) drawn "
+        f"first from the generator (draft i of row b accepted while u[b, i] < q(x) / p(x))"
+    )
+    assert token.tolist() == want_token.tolist(), (
+        f"next tokens {token[:12].tolist()}..., expected {want_token[:12].tolist()}...: after the uniforms, "
+        f"one torch.multinomial(dist, 1) over the B rows (residual, or q[b, k] when all k were accepted)"
+    )
+
+
 # ------------------------------------------------------------------ negative controls for the step
 def resample_from_q(p, q, draft_tokens, generator=None):
     """Wrong: on rejection, draws from q instead of the residual max(q - p, 0)."""

@@ -101,6 +101,16 @@ WRONG = [
         find="            self.steps[slot] = start\n",
         replace="",
     ),
+    dict(
+        problem="ring_cache",
+        name="int8_steps_in_chunks",
+        mistake="numbers the steps of a multi-token write in int8 (to keep the bookkeeping small): right "
+        "on every prompt shorter than 128 steps, wrong once a chunk lands past step 127 (only the long "
+        "schedule, a chunk meeting a ring wrapped dozens of times, reaches it)",
+        file=KV_CACHE,
+        find="new_steps = torch.arange(start, start + T, device=self.k.device)",
+        replace="new_steps = torch.arange(start, start + T, device=self.k.device).to(torch.int8).long()",
+    ),
     # ----------------------------------------------------------------------------------- mla_cache
     dict(
         problem="mla_cache",

@@ -52,6 +52,16 @@ WRONG = [
         find="residual = (q[:, :k] - p).clamp(min=0.0)",
         replace="residual = (q[:, :k] - p).abs()",
     ),
+    dict(
+        problem="speculative_step",
+        name="uniforms_draft_by_draft",
+        mistake="the right distribution from another random stream: draws the uniforms draft by draft "
+        "(torch.rand(k, B) transposed) instead of the documented torch.rand(B, k), so a seeded run "
+        "cannot be reproduced",
+        file=FILE,
+        find="u = torch.rand(B, k, generator=generator, device=p.device)",
+        replace="u = torch.rand(k, B, generator=generator, device=p.device).T",
+    ),
     # ------------------------------------------------------------------ speculative_verify
     dict(
         problem="speculative_verify",
