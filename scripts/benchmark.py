@@ -19,6 +19,11 @@ bits agree (cs336_inference/bench/kernels_ab.py; for kernel changes).
 With --passes, whole native T-token passes of SmolLM2 instead (T = the --rows values; the decoder
 layers in each build, the output matrix in the tree's).
 
+`engine`: the serving engine's decode tokens/s with 1, 4, 8, 16 requests against the single-stream
+fast path, each step against its roofline (cs336_inference/bench/engine.py).
+
+    python scripts/benchmark.py engine --sizes 1,4,8,16 --eager-sizes 1,16 --out engine.json
+
 `serve`: static vs continuous batching on a generated workload (throughput, TTFT, TPOT, KV waste).
 
     python scripts/benchmark.py serve --rates 1,4 --requests 32 --out serve.json --plot serve.png
@@ -369,6 +374,33 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_engine(args: argparse.Namespace) -> dict:
+    """`engine`: LLMEngine's decode throughput by number of requests (cs336_inference.bench.engine)."""
+    from cs336_inference.bench import engine as bench_engine
+    from cs336_inference.quantization import quantize_model
+
+    try:
+        sizes = [int(x) for x in args.sizes.split(",")]
+        eager = [int(x) for x in args.eager_sizes.split(",")] if args.eager_sizes else []
+    except ValueError:
+        raise BenchmarkError("--sizes and --eager-sizes take numbers separated by commas") from None
+    if min(sizes + eager) < 1 or args.steps < 1 or args.rounds < 1 or args.prompt_len < 1:
+        raise BenchmarkError("--sizes, --eager-sizes, --steps, --rounds and --prompt-len must be >= 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    source = Path(args.model) if args.model else default_model_path()
+    log(f"loading {source} ({args.format})")
+    model = load_pretrained(source, dtype=torch.float32).eval()
+    if args.format != "fp32":
+        model = quantize_model(model, args.format, quantize_head=True)
+    result = bench_engine.engine_benchmark(
+        model, sizes, args.prompt_len, args.steps, args.rounds, eager, log=log
+    )
+    result.update(model=source.name, format=args.format)
+    result["table"] = bench_engine.format_engine_table(result)
+    return result
+
+
 def run_kernels(args: argparse.Namespace) -> dict:
     from cs336_inference.bench import kernels_ab
     from cs336_inference.fast.cpu import build
@@ -493,6 +525,18 @@ def main(argv: list[str] | None = None) -> int:
     gpu.add_argument("--formats", default="bf16,int8,int4", help="comma-separated: bf16, int8, int4")
     gpu.add_argument("--no-transformers", action="store_true", help="leave out the transformers row")
     gpu.add_argument("--out", type=Path, help="write the results as JSON here")
+    eng = sub.add_parser("engine", help="the serving engine's decode tokens/s by number of requests")
+    eng.add_argument("--model", help="checkpoint (default: SmolLM2-135M-Instruct GGUF)")
+    eng.add_argument("--format", default="fp32", choices=["fp32", "int8", "int4", "q8_0", "q4_0"])
+    eng.add_argument("--sizes", default="1,4,8,16", help="numbers of requests decoding at once")
+    eng.add_argument(
+        "--eager-sizes", default="1,16", help="sizes also run on the readable model ('' for none)"
+    )
+    eng.add_argument("--prompt-len", type=int, default=64, help="prompt tokens of every request")
+    eng.add_argument("--steps", type=int, default=24, help="timed decode steps per row")
+    eng.add_argument("--rounds", type=int, default=3, help="interleaved rounds the steps are split over")
+    eng.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    eng.add_argument("--out", type=Path, help="write the results as JSON here")
     srv = sub.add_parser("serve", help="static vs continuous batching on a generated workload")
     srv.add_argument("--model", help="checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     srv.add_argument("--rates", default="1,4", help="arrival rates to sweep, requests/s (comma-separated)")
@@ -529,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_gpu(args)
         elif args.command == "kernels":
             result = run_kernels(args)
+        elif args.command == "engine":
+            result = run_engine(args)
         else:
             if args.runs < 1 or args.new_tokens < 2:
                 raise BenchmarkError(
@@ -541,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     table = (
         result["table"]
-        if args.command in ("quant", "speculative", "gpu", "kernels")
+        if args.command in ("quant", "speculative", "gpu", "kernels", "engine")
         else format_report(result)
     )
     print(table)

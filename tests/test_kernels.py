@@ -921,14 +921,15 @@ def test_the_readable_layers_never_call_the_kernels(kernels_on, monkeypatch):
     """Without install the model runs plain PyTorch: a kernel that would answer 7 everywhere is never
     called; installed, it is."""
     from cs336_inference import fast
+    from cs336_inference.fast import layers as fast_layers
 
     model = quantize_model(
         fast.uninstall(tiny_model(4)), "q8_0", quantize_head=False
     )  # fp32 head, q8_0 layers
     monkeypatch.setattr(
-        fast, "quantized_linear", lambda layer, x: torch.full((*x.shape[:-1], layer.d_out), 7.0)
+        fast_layers, "quantized_linear", lambda layer, x: torch.full((*x.shape[:-1], layer.d_out), 7.0)
     )
-    monkeypatch.setattr(fast, "decode_linear", lambda layer, x: None)
+    monkeypatch.setattr(fast_layers, "decode_linear", lambda layer, x: None)
     ids = torch.tensor([[5, 7, 11]])
     plain = model(ids)
     assert not any(isinstance(m, fast.FastQuantizedLinear) for m in model.modules())

@@ -3,7 +3,8 @@
 Nothing in the model imports this package. A loaded model gets the fast path by one call,
 
     from cs336_inference.fast import install
-    install(model)   # its Linear / QuantizedLinear / LLMInt8Linear layers now try the kernels first
+    install(model)   # its Linear / QuantizedLinear / LLMInt8Linear layers now try the kernels first,
+                     # and the serving engine's steps run natively (FastTransformerLM)
 
 and `scripts/generate.py`, `scripts/serve.py` and `scripts/benchmark.py` make that call by default
 (`--eager` opts out). An installed layer computes the same function as the readable one: it runs a
@@ -24,56 +25,40 @@ cpu/        products of 1..32 rows in C (decode.c: fp32, int8, int4, Q8_0/Q4_0/Q
 gpu/        weight-only products for bf16 activations on CUDA: int4 through tinygemm, int8 in Triton
 step/       whole decode steps of fixed shapes: fixed.py (`FixedStep`: a CUDA graph, torch.compile on
             the CPU, eager, or native), native.py + cpu/step.c (every decoder layer in one C call),
+            paged.py (the serving engine's step the same way, over paged K/V: `FastTransformerLM`),
             fuse.py (q/k/v and gate/up as one product)
 autotune.py the fp32 product and weight layout of each shape, chosen by timing the candidates
+layers.py   the fast layer classes (FastLinear, FastQuantizedLinear, FastLLMInt8Linear)
 """
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cs336_inference.fast.autotune import decode_linear
-from cs336_inference.fast.cpu.ops import MAX_ROWS, llm_int8_linear, quantized_linear
-from cs336_inference.layers import Linear
-from cs336_inference.quantization.linear import QuantizedLinear
-from cs336_inference.quantization.llm_int8 import LLMInt8Linear
+from cs336_inference.fast.layers import (
+    FAST_LAYERS,
+    READABLE,
+    FastLinear,
+    FastLLMInt8Linear,
+    FastQuantizedLinear,
+    readable_type,
+)
+from cs336_inference.model import TransformerLM
 
 
-class FastLinear(Linear):
-    """A Linear whose decode-shaped calls (1..32 rows) take the planned fp32 product (autotune.py)."""
+class FastTransformerLM(TransformerLM):
+    """A TransformerLM whose serving-engine steps (`forward_paged`) run every decoder layer in one C
+    call over the paged K/V where they can (step/paged.py); the readable forward otherwise."""
 
-    def forward(self, x: Tensor) -> Tensor:
-        if x.numel() <= MAX_ROWS * x.shape[-1]:
-            y = decode_linear(self, x)
-            if y is not None:
-                return y
-        return F.linear(x, self.weight, self.bias)
+    def forward_paged(self, input_ids: Tensor, batch) -> Tensor:
+        from cs336_inference.fast.step.paged import forward_paged
 
-
-class FastQuantizedLinear(QuantizedLinear):
-    """A QuantizedLinear that multiplies from the stored bytes (cpu/ops.py, gpu/) where it can."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = quantized_linear(self, x)
-        return super().forward(x) if y is None else y
+        logits = forward_paged(self, input_ids, batch)
+        return super().forward_paged(input_ids, batch) if logits is None else logits
 
 
-class FastLLMInt8Linear(LLMInt8Linear):
-    """LLM.int8() with its int8 product in C (the same numbers as the readable forward)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = llm_int8_linear(self, x)
-        return super().forward(x) if y is None else y
-
-
-FAST = {Linear: FastLinear, QuantizedLinear: FastQuantizedLinear, LLMInt8Linear: FastLLMInt8Linear}
-READABLE = {fast: readable for readable, fast in FAST.items()}
-
-
-def readable_type(layer: nn.Module) -> type:
-    """The readable class of a layer, installed or not (FastLinear -> Linear)."""
-    return READABLE.get(type(layer), type(layer))
+FAST = {**FAST_LAYERS, TransformerLM: FastTransformerLM}
+READABLE[FastTransformerLM] = TransformerLM
 
 
 def install(model: nn.Module) -> nn.Module:
@@ -105,6 +90,7 @@ __all__ = [
     "FastLinear",
     "FastLLMInt8Linear",
     "FastQuantizedLinear",
+    "FastTransformerLM",
     "install",
     "installed",
     "readable_type",

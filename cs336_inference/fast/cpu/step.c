@@ -176,18 +176,91 @@ static inline void phase(int k, double *t) {
     *t = now;
 }
 
-/* x [B*T, D] (updated in place) through every layer; cos, sin [B, T, H] (the rows' rotary angles);
-   steps [T] (the new tokens' steps = cache slots); pad [B]. Returns 0, or -1 if out of memory. */
-int cs336_layers(const i64 *dims, const i64 *layers, i64 n_layers, float eps, float scale, float *x,
-                 const float *cos, const float *sin, const i64 *steps, const i64 *pad) {
-    i64 B = dims[0], T = dims[1], D = dims[2], N = dims[3], K = dims[4], H = dims[5], F = dims[6], S = dims[7];
-    int threads = (int)dims[8];
-    i64 M = B * T, QKV = (N + 2 * K) * H;
+/* Paged attention of M rows (the new tokens of several sequences, flattened): row m is step
+   pos[m] of its sequence, whose step j lives at slot keys[first[m] + j] of the K/V stores
+   [slots, K, H] (serving/paged_attention.py's PagedKVCache; every row's keys already written).
+   Each row sees its own sequence's steps lo..pos[m], with the operations of attend_row in the same
+   order (so the numbers of a static cache holding those steps). The query heads that share a K/V
+   head are done together, up to GROUP at once: each key and value row is read once for all of them
+   (decode attention reads the cache, memory-bound like the products). */
+enum { GROUP = 8 };
+static void attend_paged(i64 M, i64 N, i64 K, i64 H, const float *qkv, const float *kc, const float *vc,
+                         i64 window, const i64 *pos, const i64 *keys, const i64 *first, float scale, int threads,
+                         float *out) {
+    i64 QKV = (N + 2 * K) * H, G = N / K, chunks = (G + GROUP - 1) / GROUP, tasks = M * K * chunks, S = 0;
+    for (i64 m = 0; m < M; m++) S = pos[m] + 1 > S ? pos[m] + 1 : S;
+#pragma omp parallel num_threads(threads)
+    {
+        float *p = (float *)malloc(sizeof(float) * (size_t)(S * GROUP));
+        float *acc = (float *)malloc(sizeof(float) * (size_t)(H * GROUP));
+#pragma omp for schedule(static)
+        for (i64 task = 0; task < tasks; task++) {
+            i64 m = task / (K * chunks), g = task / chunks % K, n0 = g * G + task % chunks * GROUP;
+            i64 heads = G - (n0 - g * G) < GROUP ? G - (n0 - g * G) : GROUP, qs = pos[m];
+            i64 lo = window > 0 && qs - window + 1 > 0 ? qs - window + 1 : 0, stride = K * H;
+            const i64 *slot = keys + first[m];
+            const float *q = qkv + m * QKV + n0 * H, *k = kc + g * H, *v = vc + g * H;
+            float mx[GROUP], sum[GROUP];
+            for (i64 e = 0; e < heads; e++) mx[e] = -INFINITY;
+            for (i64 j = lo; j <= qs; j++) {
+                const float *kj = k + slot[j] * stride;
+                for (i64 e = 0; e < heads; e++) {
+                    float x = dot(q + e * H, kj, H) * scale;
+                    p[e * S + j] = x;
+                    if (x > mx[e]) mx[e] = x;
+                }
+            }
+            for (i64 e = 0; e < heads; e++) {
+                float *pe = p + e * S;
+                for (i64 j = lo; j <= qs; j++) pe[j] -= mx[e];
+                cs336_exp(pe + lo, qs - lo + 1);
+                sum[e] = 0.f;
+                for (i64 j = lo; j <= qs; j++) sum[e] += pe[j];
+            }
+            for (i64 i = 0; i < heads * H; i++) acc[i] = 0.f;
+            for (i64 j = lo; j <= qs; j++) {
+                const float *vj = v + slot[j] * stride;
+                for (i64 e = 0; e < heads; e++) {
+                    float w = p[e * S + j] / sum[e], *ae = acc + e * H;
+                    for (i64 h = 0; h < H; h++) ae[h] += w * vj[h];
+                }
+            }
+            for (i64 e = 0; e < heads; e++) memcpy(out + m * N * H + (n0 + e) * H, acc + e * H, sizeof(float) * (size_t)H);
+        }
+        free(p), free(acc);
+    }
+}
+
+/* The rows' layout: static (B rows of T tokens, a [B, K, S, H] cache per layer) or paged. */
+typedef struct {
+    const i64 *dims;                /* static: {B, T, D, N, K, H, F, S, threads} */
+    const i64 *steps, *pad;         /* static: the T new steps (cache slots), the rows' left padding */
+    const i64 *pos, *slot, *seq;    /* paged: per row its step, its slot, its sequence */
+    const i64 *tables;              /* paged: [sequences, n_blocks] block tables */
+    i64 n_blocks, bs;
+    i64 *keys, *first;              /* paged, made by layers_body: row m's step j at slot keys[first[m] + j] */
+} Rows;
+
+/* x [M, D] (updated in place) through every layer; cos, sin [M, H] (the rows' rotary angles). */
+static int layers_body(Rows *r, i64 M, i64 D, i64 N, i64 K, i64 H, i64 F, int threads, const i64 *layers,
+                       i64 n_layers, float eps, float scale, float *x, const float *cos, const float *sin) {
+    i64 QKV = (N + 2 * K) * H;
     if (H > 512) return -1;
     float *h = malloc(sizeof(float) * (size_t)(M * D)), *qkv = malloc(sizeof(float) * (size_t)(M * QKV));
     float *att = malloc(sizeof(float) * (size_t)(M * N * H)), *gu = malloc(sizeof(float) * (size_t)(M * 2 * F));
     float *a = malloc(sizeof(float) * (size_t)(M * F)), *y = malloc(sizeof(float) * (size_t)(M * D));
     int ok = h && qkv && att && gu && a && y;
+    if (ok && !r->dims) { /* every row's key slots, once for all the layers (tables do not change) */
+        i64 total = 0;
+        for (i64 m = 0; m < M; m++) total += r->pos[m] + 1;
+        r->keys = malloc(sizeof(i64) * (size_t)total), r->first = malloc(sizeof(i64) * (size_t)M);
+        ok = r->keys && r->first;
+        for (i64 m = 0, at = 0; ok && m < M; m++) {
+            const i64 *table = r->tables + r->seq[m] * r->n_blocks;
+            r->first[m] = at;
+            for (i64 j = 0; j <= r->pos[m]; j++) r->keys[at++] = table[j / r->bs] * r->bs + j % r->bs;
+        }
+    }
     double t = profiling ? omp_get_wtime() : 0;
     for (i64 l = 0; ok && l < n_layers; l++) {
         const i64 *L = layers + l * LAYER_FIELDS;
@@ -197,18 +270,26 @@ int cs336_layers(const i64 *dims, const i64 *layers, i64 n_layers, float eps, fl
         linear(L + LAYER_HEAD, h, M, D, qkv, threads);
         phase(P_QKV, &t);
         for (i64 m = 0; m < M; m++) {
-            i64 b = m / T, t = m % T;
             float *row = qkv + m * QKV;
             const float *c = cos + m * H, *s = sin + m * H;
             for (i64 n = 0; n < N + K; n++) rope(row + n * H, c, s, H); /* the queries, then the keys */
             for (i64 g = 0; g < K; g++) {
-                i64 slot = ((b * K + g) * S + steps[t]) * H;
-                memcpy(kc + slot, row + (N + g) * H, sizeof(float) * (size_t)H);
-                memcpy(vc + slot, row + (N + K + g) * H, sizeof(float) * (size_t)H);
+                i64 at;
+                if (r->dims) {
+                    i64 S = r->dims[7], T = r->dims[1], b = m / T;
+                    at = ((b * K + g) * S + r->steps[m % T]) * H;
+                } else {
+                    at = (r->slot[m] * K + g) * H;
+                }
+                memcpy(kc + at, row + (N + g) * H, sizeof(float) * (size_t)H);
+                memcpy(vc + at, row + (N + K + g) * H, sizeof(float) * (size_t)H);
             }
         }
         phase(P_ROPE, &t); /* with the cache writes */
-        attend(dims, qkv, kc, vc, L[4], steps, pad, scale, att);
+        if (r->dims)
+            attend(r->dims, qkv, kc, vc, L[4], r->steps, r->pad, scale, att);
+        else
+            attend_paged(M, N, K, H, qkv, kc, vc, L[4], r->pos, r->keys, r->first, scale, threads, att);
         phase(P_ATTEND, &t);
         linear(L + LAYER_HEAD + LIN_FIELDS, att, M, N * H, y, threads);
         phase(P_O, &t);
@@ -226,5 +307,27 @@ int cs336_layers(const i64 *dims, const i64 *layers, i64 n_layers, float eps, fl
         phase(P_RESIDUAL, &t);
     }
     free(h), free(qkv), free(att), free(gu), free(a), free(y);
+    if (!r->dims) free(r->keys), free(r->first);
     return ok ? 0 : -1;
+}
+
+/* x [B*T, D] (updated in place) through every layer; cos, sin [B, T, H] (the rows' rotary angles);
+   steps [T] (the new tokens' steps = cache slots); pad [B]. Returns 0, or -1 if out of memory. */
+int cs336_layers(const i64 *dims, const i64 *layers, i64 n_layers, float eps, float scale, float *x,
+                 const float *cos, const float *sin, const i64 *steps, const i64 *pad) {
+    Rows r = {dims, steps, pad, NULL, NULL, NULL, NULL, 0, 0, NULL, NULL};
+    return layers_body(&r, dims[0] * dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], (int)dims[8], layers,
+                       n_layers, eps, scale, x, cos, sin);
+}
+
+/* The serving engine's step: M rows, each a new token of some sequence, over paged K/V stores.
+   dims {M, D, N, K, H, F, n_blocks (columns of tables), block size, threads}; rows [3, M]: each row's
+   step, slot (block * bs + offset, where its K/V are written) and sequence (its row of tables).
+   Layers as cs336_layers, their k and v caches being the paged stores. Returns 0, or -1. */
+int cs336_layers_paged(const i64 *dims, const i64 *layers, i64 n_layers, float eps, float scale, float *x,
+                       const float *cos, const float *sin, const i64 *rows, const i64 *tables) {
+    i64 M = dims[0];
+    Rows r = {NULL, NULL, NULL, rows, rows + M, rows + 2 * M, tables, dims[6], dims[7], NULL, NULL};
+    return layers_body(&r, M, dims[1], dims[2], dims[3], dims[4], dims[5], (int)dims[8], layers, n_layers, eps,
+                       scale, x, cos, sin);
 }

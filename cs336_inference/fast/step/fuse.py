@@ -27,10 +27,10 @@ import os
 import torch
 from torch import Tensor, nn
 
-from cs336_inference.fast import readable_type
 from cs336_inference.fast.autotune import _stored, decode_linear, product_plan
 from cs336_inference.fast.cpu import build
 from cs336_inference.fast.cpu.ops import quantized_linear
+from cs336_inference.fast.layers import readable_type
 from cs336_inference.layers import Linear, skip_random_init
 from cs336_inference.quantization.linear import QuantizedLinear
 

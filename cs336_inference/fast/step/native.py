@@ -28,10 +28,10 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from cs336_inference.attention import Attention
-from cs336_inference.fast import readable_type
 from cs336_inference.fast.autotune import settle
 from cs336_inference.fast.cpu import build
 from cs336_inference.fast.cpu.ops import A8_CODE, FORMAT_CODES
+from cs336_inference.fast.layers import readable_type
 from cs336_inference.kv_cache import StaticKVCache
 from cs336_inference.layers import Linear, RMSNorm, SwiGLU
 from cs336_inference.quantization.linear import QuantizedLinear
@@ -58,6 +58,21 @@ def _product_problem(layer) -> str | None:
 
 def why_not(model, cache) -> str | None:
     """Why the native step cannot run this model and cache (None: it can)."""
+    problem = model_problem(model)
+    if problem:
+        return problem
+    for i, store in enumerate(cache.layers):
+        if not isinstance(store, StaticKVCache) or not (store.k.is_contiguous() and store.v.is_contiguous()):
+            return f"layer {i}'s cache is not a contiguous static cache"
+        if store.k.dtype != torch.float32 or store.k.shape[-1] != store.v.shape[-1]:
+            return f"layer {i}'s cache is not float32 with equal key and value widths"
+    if len({tuple(s.k.shape) for s in cache.layers}) != 1:
+        return "its layers' caches differ in shape"
+    return None
+
+
+def model_problem(model) -> str | None:
+    """Why step.c cannot run this model's decoder layers, whatever its cache (None: it can)."""
     if build.library() is None:
         return "the C kernels are not built here (CS336_KERNELS=0 or no compiler)"
     if not build.switched_on("CS336_KERNELS_FUSE"):
@@ -79,11 +94,6 @@ def why_not(model, cache) -> str | None:
             or type(block.mlp_norm) is not RMSNorm
         ):
             return f"layer {i} has another MLP or norm"
-        store = cache.layers[i]
-        if not isinstance(store, StaticKVCache) or not (store.k.is_contiguous() and store.v.is_contiguous()):
-            return f"layer {i}'s cache is not a contiguous static cache"
-        if store.k.dtype != torch.float32 or store.k.shape[-1] != store.v.shape[-1]:
-            return f"layer {i}'s cache is not float32 with equal key and value widths"
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             problem = _product_problem(getattr(attn, name))
             if problem:
@@ -92,8 +102,6 @@ def why_not(model, cache) -> str | None:
             problem = _product_problem(getattr(mlp, name))
             if problem:
                 return f"layer {i}'s {name} is {problem}"
-    if len({tuple(s.k.shape) for s in cache.layers}) != 1:
-        return "its layers' caches differ in shape"
     return None
 
 
@@ -127,7 +135,7 @@ class NativeLayers:
     """x -> every decoder layer of `model` applied to x (in place), for one static cache."""
 
     def __init__(self, model, cache):
-        problem = why_not(model, cache)
+        problem = self.why_not(model, cache)
         if problem:
             raise ValueError(f"the native step cannot run this model: {problem}")
         for block in model.layers:  # stacked by StaticDecodeStep (fuse_siblings) before this
@@ -158,6 +166,13 @@ class NativeLayers:
                 if isinstance(layer, Linear):
                     settle(layer)
 
+    why_not = staticmethod(why_not)
+
+    def _stores(self, i: int) -> tuple[Tensor, Tensor]:
+        """Layer i's key and value storage (their data pointers go into the descriptor)."""
+        store = self.cache.layers[i]
+        return store.k, store.v
+
     def _layers(self) -> Tensor:
         """The layers' descriptor for step.c, rebuilt when a watched tensor moved (else the last one)."""
         seen = self._pointers()
@@ -179,9 +194,9 @@ class NativeLayers:
     def _describe(self) -> Tensor:
         rows = []
         for i, block in enumerate(self.model.layers):
-            attn, mlp, store = block.attn, block.mlp, self.cache.layers[i]
+            attn, mlp, (k, v) = block.attn, block.mlp, self._stores(i)
             rows += [block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr()]
-            rows += [store.k.data_ptr(), store.v.data_ptr(), self.windows[i]]
+            rows += [k.data_ptr(), v.data_ptr(), self.windows[i]]
             rows += _product(_stacked(attn.q_proj)) + _product(attn.o_proj)
             rows += _product(_stacked(mlp.gate_proj)) + _product(mlp.down_proj)
         return torch.tensor(rows, dtype=torch.int64)

@@ -1,0 +1,183 @@
+"""The serving engine's decode throughput against one stream (scripts/benchmark.py engine).
+
+A decode step reads every weight once, whatever the number of sequences in it, and does 2 FLOPs
+per weight per sequence: on a CPU one sequence's step is memory-bound and 16 sequences' step costs
+the same weight read plus 16x the multiply-adds. So `LLMEngine` with n requests decoding at once
+should give nearly n times the tokens/s of one request, until the multiply-adds catch up with
+the bytes. Measured here side by side, one process, one model:
+
+    stream      the single-stream fast path (what `scripts/generate.py` runs: a native FixedStep of
+                one sequence over a static cache), decode steps only
+    engine n    LLMEngine with n requests of the same prompt length, all decoding (steady state:
+                prefill done, nobody finishing), on the fast path (`fast.install`) and on the
+                readable model (`--eager` rows)
+
+Each row is the median of its timed steps after warm-up steps, rounds interleaved across the rows so
+that a machine's drift is shared. The roofline of a step is the bytes it must read (the weights
+plus the n sequences' K/V at their mean length, `accounting.decode_step_bytes`) over the measured
+read bandwidth of a buffer the size of the weights.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from cs336_inference import accounting as acc
+from cs336_inference.bench.timing import read_bandwidth
+from cs336_inference.fast import install, uninstall
+from cs336_inference.fast.step.fixed import FixedStep
+from cs336_inference.serving import LLMEngine, SamplingParams
+
+
+def stored_bytes(model) -> int:
+    """Bytes a decode step reads from the weights: parameters and buffers (quantized layers keep their
+    codes and scales as buffers), less the rotary tables and an untied input embedding."""
+    skip = {id(model.embed.weight)} if model.lm_head is not None else set()
+    skip |= {id(model.rope_cos), id(model.rope_sin)}
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in skip}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class EngineSteps:
+    """An engine holding n requests that all decode: `step()` times one engine step (seconds)."""
+
+    def __init__(self, model, n: int, prompt_len: int, steps: int, block_size: int = 16):
+        S = prompt_len + steps + 8
+        blocks = n * -(-S // block_size) + 1
+        self.engine = LLMEngine(model, num_blocks=blocks, block_size=block_size, max_batch_tokens=max(512, n), max_batch_seqs=n)  # fmt: skip
+        params = SamplingParams(max_new_tokens=steps + 4, temperature=0.0, stop_token_ids=())
+        vocab = model.config.vocab_size
+        for i in range(n):  # distinct prompts: no prefix sharing
+            ids = [(100 + 7919 * (i * prompt_len + t)) % (vocab - 100) + 100 for t in range(prompt_len)]
+            self.engine.add_request(ids, params)
+        while any(s.num_computed < s.num_prompt for s in self.engine.requests.values()):
+            self.engine.step()  # prefill (and the first tokens)
+        self.n = n
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        self.engine.step()
+        return time.perf_counter() - start
+
+    def context(self) -> float:
+        return statistics.mean(s.num_computed for s in self.engine.requests.values())
+
+
+class StreamSteps:
+    """One sequence on the single-stream fast path: `step()` times one native decode step."""
+
+    def __init__(self, model, prompt_len: int, steps: int):
+        vocab = model.config.vocab_size
+        prompt = torch.tensor([[(100 + 7919 * t) % (vocab - 100) + 100 for t in range(prompt_len)]])
+        self.cache = model.new_cache(1, prompt_len + steps + 8)
+        self.token = model(prompt, cache=self.cache)[:, -1].argmax(-1)
+        try:
+            self.fixed = FixedStep(model, self.cache, "native")
+        except ValueError:  # a model the native step cannot run: the fixed-shape step on the kernels
+            self.fixed = FixedStep(model, self.cache, "eager")
+        self.n = 1
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        self.token = self.fixed(self.token).argmax(-1)
+        return time.perf_counter() - start
+
+    def context(self) -> float:
+        return float(self.cache.pos)
+
+
+@torch.inference_mode()
+def engine_benchmark(
+    model,
+    sizes: list[int],
+    prompt_len: int = 64,
+    steps: int = 24,
+    rounds: int = 3,
+    eager_sizes: list[int] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Median step time and tokens/s of the stream and of the engine at each size (module docstring).
+
+    `steps` timed steps per row, split over `rounds` interleaved rounds (after 3 warm-up steps each).
+    `eager_sizes`: engine sizes also run on the readable model (the fast path uninstalled meanwhile).
+    """
+    install(model)
+    weights = stored_bytes(model)
+    bandwidth = read_bandwidth(max(weights, 1 << 26))
+    log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s over {weights / 1e6:.0f} MB of weights")
+    total = steps + 3 * rounds
+    rows: dict[str, object] = {"stream": StreamSteps(model, prompt_len, total)}
+    for n in sizes:
+        log(f"  prefilling {n} request(s) of {prompt_len} tokens")
+        rows[f"engine {n}"] = EngineSteps(model, n, prompt_len, total)
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    contexts: dict[str, list[float]] = {name: [] for name in rows}
+    per_round = -(-steps // rounds)
+    for r in range(rounds):
+        for name, row in rows.items():
+            for _ in range(3):  # warm-up: caches, thread pools, layouts
+                row.step()
+            for _ in range(per_round):
+                contexts[name].append(row.context())
+                times[name].append(row.step())
+        log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{k} {rows[k].n / statistics.median(v):.1f}" for k, v in times.items()) + " tok/s")  # fmt: skip
+    readable = {}
+    if eager_sizes:
+        uninstall(model)
+        for n in eager_sizes:
+            log(f"  readable engine, {n} request(s)")
+            row = EngineSteps(model, n, prompt_len, steps + 3)
+            for _ in range(3):
+                row.step()
+            readable[n] = [row.step() for _ in range(max(4, steps // 4))]
+        install(model)
+    results = []
+    for name, row in rows.items():
+        step_s = statistics.median(times[name])
+        S = statistics.mean(contexts[name])
+        need = weights + acc.kv_cache_bytes(model.config, row.n, round(S), 4)
+        results.append(
+            dict(
+                name=name,
+                sequences=row.n,
+                step_ms=step_s * 1e3,
+                tokens_per_s=row.n / step_s,
+                mean_context=S,
+                bytes_per_step=need,
+                roofline_ms=need / bandwidth * 1e3,
+                fraction_of_roofline=need / bandwidth / step_s,
+            )  # fmt: skip
+        )
+    for n, ts in readable.items():
+        step_s = statistics.median(ts)
+        results.append(
+            dict(name=f"readable engine {n}", sequences=n, step_ms=step_s * 1e3, tokens_per_s=n / step_s)
+        )
+    one = next((r for r in results if r["name"] == "engine 1"), None)
+    stream = results[0]
+    for r in results:
+        r["vs_stream"] = r["tokens_per_s"] / stream["tokens_per_s"]
+        if one is not None:
+            r["vs_engine_1"] = r["tokens_per_s"] / one["tokens_per_s"]
+    return dict(rows=results, weight_bytes=weights, read_bandwidth=bandwidth, prompt_len=prompt_len,
+                timed_steps=steps, rounds=rounds, threads=torch.get_num_threads())  # fmt: skip
+
+
+def format_engine_table(result: dict) -> str:
+    """The rows as a markdown table."""
+    out = [
+        "| path | sequences | step (ms) | tokens/s | x one engine request | x stream | roofline step (ms) | of roofline |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in result["rows"]:
+        roof = f"{r['roofline_ms']:.1f} | {r['fraction_of_roofline']:.0%}" if "roofline_ms" in r else "| "
+        vs1 = f"{r['vs_engine_1']:.2f}" if "vs_engine_1" in r else ""
+        out.append(
+            f"| {r['name']} | {r['sequences']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.1f} | {vs1} | "
+            f"{r['vs_stream']:.2f} | {roof} |"
+        )
+    return "\n".join(out)

@@ -1,0 +1,136 @@
+"""The serving engine's step in one C call: every decoder layer over paged K/V (step.c).
+
+`LLMEngine` flattens the new tokens of all scheduled sequences into one row (selective batching)
+and calls `model.forward_paged(ids, batch)`. The readable forward (model.py, serving/paged_attention.py)
+runs each layer's products once over the row and attention per sequence over its blocks, about
+fifteen PyTorch calls per layer. On the fast path (`cs336_inference.fast.install`) a step of up to
+MAX_ROWS rows goes instead to `cs336_layers_paged`: the same layers as the native decode step
+(native.py), with each row's keys and values written to its slot and read back through its
+sequence's block table, in place (no gathered copy). The products read each weight once for all
+the rows, so 16 decoding sequences cost little more than one: decode is memory-bound.
+
+Row by row the operations are those of the native step over a static cache (the same products,
+norms, rotary, and keys visited in step order), so an engine request decodes as `generate` does on
+the native step. Longer steps (a prompt chunk past MAX_ROWS tokens) and models or caches it cannot
+run (`why_not_paged`: MLA, CLA, another dtype) take the readable forward.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from cs336_inference.fast.autotune import decode_linear, settle
+from cs336_inference.fast.cpu.ops import MAX_ROWS, linear_fp32
+from cs336_inference.fast.step.fuse import fuse_siblings
+from cs336_inference.fast.step.native import NativeLayers, model_problem
+from cs336_inference.quantization.linear import PackedWeight
+
+
+def why_not_paged(model, cache) -> str | None:
+    """Why the paged native step cannot run this model over this PagedKVCache (None: it can)."""
+    problem = model_problem(model)
+    if problem:
+        return problem
+    if cache.is_mla:
+        return "its cache holds MLA latents"
+    for i, store in enumerate(cache.layers):
+        k, v = store
+        if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()) or k.shape != v.shape:
+            return f"layer {i}'s paged store is not contiguous float32 with equal key and value widths"
+    return None
+
+
+class PagedLayers(NativeLayers):
+    """x -> every decoder layer applied to the flattened rows of one engine step (in place)."""
+
+    why_not = staticmethod(why_not_paged)
+
+    def _stores(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.cache.layers[i]
+
+    def __call__(
+        self,
+        x: Float[Tensor, "M D"],
+        cos: Float[Tensor, "M H"],
+        sin: Float[Tensor, "M H"],
+        rows: Int[Tensor, "3 M"],
+        tables: Int[Tensor, "n blocks"],
+    ) -> Float[Tensor, "M D"]:
+        M = x.shape[0]
+        D, N, K, H, F_ = self.shape
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        rows, tables = rows.contiguous(), tables.contiguous()
+        dims = [M, D, N, K, H, F_, tables.shape[1], self.cache.block_size, torch.get_num_threads()]
+        dims = torch.tensor(dims, dtype=torch.int64)
+        layers = self._layers()
+        status = self.lib.cs336_layers_paged(
+            dims.data_ptr(), layers.data_ptr(), len(self.model.layers), self.eps, self.scale,
+            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows.data_ptr(), tables.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("the paged native step could not allocate its work buffers")
+        return x
+
+
+class _VocabHead:
+    def __init__(self, weight: Tensor):
+        self.weight, self.bias = weight, None
+
+
+class PagedStep:
+    """logits of each sequence's last new token, [n, V], for one engine step (module docstring)."""
+
+    def __init__(self, model, cache):
+        fuse_siblings(model)  # q/k/v and gate/up as one product each, as the native decode step
+        self.model, self.layers = model, PagedLayers(model, cache)
+        w = model.vocab_weight
+        self.head = w.layer if isinstance(w, PackedWeight) else None
+        self.vocab = _VocabHead(w) if self.head is None else None
+        if self.vocab is not None:
+            settle(self.vocab)
+
+    def __call__(self, input_ids: Int[Tensor, " M"], batch) -> Float[Tensor, "n V"]:
+        model = self.model
+        spans = batch.spans
+        seq = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor([s.n for s in spans]))
+        width = max(len(s.block_table) for s in spans)
+        tables = torch.zeros(len(spans), width, dtype=torch.long)
+        for i, s in enumerate(spans):
+            tables[i, : len(s.block_table)] = s.block_table
+        rows = torch.stack([batch.positions, batch.slots, seq])
+        x = model.embed(input_ids)
+        positions = batch.positions
+        x = self.layers(x, model.rope_cos[positions], model.rope_sin[positions], rows, tables)
+        h = model.norm(x[batch.last])
+        if self.head is not None:
+            return self.head(h)
+        y = linear_fp32(h, self.vocab.weight)  # our product: each row's logits independent of n
+        if y is None:
+            y = decode_linear(self.vocab, h)
+        return F.linear(h, model.vocab_weight) if y is None else y
+
+
+_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # PagedKVCache -> PagedStep | None
+
+
+def paged_step(model, cache) -> PagedStep | None:
+    """The paged native step of model over cache, made on first use; None where it cannot run."""
+    if cache not in _steps:
+        _steps[cache] = None if why_not_paged(model, cache) else PagedStep(model, cache)
+    step = _steps[cache]
+    return step if step is not None and step.model is model else None
+
+
+def forward_paged(model, input_ids: Int[Tensor, " M"], batch) -> Float[Tensor, "n V"] | None:
+    """The engine step on the native path, or None (the caller runs the readable forward)."""
+    if not 1 <= input_ids.shape[0] <= MAX_ROWS or torch.is_grad_enabled():
+        return None
+    if batch.max_position >= model.config.max_seq_len:
+        return None  # the readable forward raises the error
+    step = paged_step(model, batch.cache)
+    return None if step is None else step(input_ids, batch)
