@@ -24,6 +24,12 @@ fast path, each step against its roofline (cs336_inference/bench/engine.py).
 
     python scripts/benchmark.py engine --sizes 1,4,8,16 --eager-sizes 1,16 --out engine.json
 
+`contention`: decode tokens/s of every entry point (the CLI's default, the native step on all cores,
+the readable model, the engine) idle and with one core kept busy by a child process the benchmark
+starts and stops (cs336_inference/bench/contention.py).
+
+    python scripts/benchmark.py contention --sizes 1,8 --out contention.json
+
 `serve`: static vs continuous batching on a generated workload (throughput, TTFT, TPOT, KV waste).
 
     python scripts/benchmark.py serve --rates 1,4 --requests 32 --out serve.json --plot serve.png
@@ -401,6 +407,25 @@ def run_engine(args: argparse.Namespace) -> dict:
     return result
 
 
+def run_contention(args: argparse.Namespace) -> dict:
+    """`contention`: idle vs one core busy, per entry point (cs336_inference.bench.contention)."""
+    from cs336_inference.bench import contention
+
+    try:
+        sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else []
+    except ValueError:
+        raise BenchmarkError(f"--sizes takes numbers separated by commas, got {args.sizes!r}") from None
+    if any(n < 1 for n in sizes) or args.steps < 1 or args.prompt_len < 1:
+        raise BenchmarkError("--sizes, --steps and --prompt-len must be >= 1")
+    source = Path(args.model) if args.model else default_model_path()
+    log(f"loading {source}")
+    model = install(load_pretrained(source, dtype=torch.float32).eval())
+    result = contention.contention_benchmark(model, sizes, args.prompt_len, args.steps, log=log)
+    result["model"] = source.name
+    result["table"] = contention.format_contention_table(result)
+    return result
+
+
 def run_kernels(args: argparse.Namespace) -> dict:
     from cs336_inference.bench import kernels_ab
     from cs336_inference.fast.cpu import build
@@ -537,6 +562,12 @@ def main(argv: list[str] | None = None) -> int:
     eng.add_argument("--rounds", type=int, default=3, help="interleaved rounds the steps are split over")
     eng.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     eng.add_argument("--out", type=Path, help="write the results as JSON here")
+    con = sub.add_parser("contention", help="decode tokens/s idle and with one core kept busy")
+    con.add_argument("--model", help="checkpoint (default: SmolLM2-135M-Instruct GGUF)")
+    con.add_argument("--sizes", default="1,8", help="engine rows: numbers of requests decoding at once")
+    con.add_argument("--prompt-len", type=int, default=64, help="prompt tokens")
+    con.add_argument("--steps", type=int, default=16, help="timed decode steps per row and phase")
+    con.add_argument("--out", type=Path, help="write the results as JSON here")
     srv = sub.add_parser("serve", help="static vs continuous batching on a generated workload")
     srv.add_argument("--model", help="checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     srv.add_argument("--rates", default="1,4", help="arrival rates to sweep, requests/s (comma-separated)")
@@ -575,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_kernels(args)
         elif args.command == "engine":
             result = run_engine(args)
+        elif args.command == "contention":
+            result = run_contention(args)
         else:
             if args.runs < 1 or args.new_tokens < 2:
                 raise BenchmarkError(
@@ -587,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     table = (
         result["table"]
-        if args.command in ("quant", "speculative", "gpu", "kernels", "engine")
+        if args.command in ("quant", "speculative", "gpu", "kernels", "engine", "contention")
         else format_report(result)
     )
     print(table)
