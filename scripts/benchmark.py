@@ -30,6 +30,12 @@ starts and stops (cs336_inference/bench/contention.py).
 
     python scripts/benchmark.py contention --sizes 1,8 --out contention.json
 
+`http`: scripts/serve.py (continuous and static batching) and llama.cpp's server (llama-cpp-python,
+if installed) on the same GGUF, driven over HTTP by the `openai` client from another process at
+Poisson arrival rates: throughput, TTFT, TPOT, latency percentiles, a plot (cs336_inference/bench/http.py).
+
+    python scripts/benchmark.py http --rates 0.5,1,2 --requests 32 --out http.json --plot http.png
+
 `serve`: static vs continuous batching on a generated workload (throughput, TTFT, TPOT, KV waste).
 
     python scripts/benchmark.py serve --rates 1,4 --requests 32 --out serve.json --plot serve.png
@@ -426,6 +432,57 @@ def run_contention(args: argparse.Namespace) -> dict:
     return result
 
 
+def run_http(args: argparse.Namespace) -> dict:
+    """`http`: servers over HTTP from a client process (cs336_inference.bench.http)."""
+    import importlib.util
+    import os
+
+    from cs336_inference.bench import http
+    from cs336_inference.io.tokenizer import load_tokenizer
+
+    try:
+        rates = [float(x) for x in args.rates.split(",")]
+    except ValueError:
+        raise BenchmarkError(f"--rates must be comma-separated numbers, got {args.rates!r}") from None
+    systems = args.systems.split(",")
+    unknown = set(systems) - {"continuous", "static", "llama.cpp"}
+    if unknown:
+        raise BenchmarkError(f"unknown --systems {sorted(unknown)}; known: continuous, static, llama.cpp")
+    if "llama.cpp" in systems and importlib.util.find_spec("llama_cpp") is None:
+        log("llama-cpp-python is not installed (pip install 'llama-cpp-python[server]'): llama.cpp left out")
+        systems.remove("llama.cpp")
+    if args.requests < 1 or any(r <= 0 for r in rates) or not systems:
+        raise BenchmarkError("--requests and every rate must be > 0, and at least one system must run")
+    source = str(args.model or default_model_path())
+    tokenizer = load_tokenizer(source)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    shape = dict(
+        prompt_median=args.prompt_median, output_median=args.output_median, max_prompt=args.max_prompt,
+        max_output=args.max_output, system_prompt_len=args.system_prompt, shared_fraction=args.shared_fraction,
+    )  # fmt: skip
+    options = dict(
+        quantize=None if args.quantize == "none" else args.quantize, max_batch_seqs=args.max_batch_seqs
+    )
+    result = http.http_benchmark(
+        source, tokenizer, systems, rates, args.requests, args.seed, shape, threads, options,
+        sorted(tokenizer.eos_token_ids), log=log,
+    )  # fmt: skip
+    result["model"] = Path(source).name
+    result["table"] = http.format_http_table(result)
+    w = result["workload"]
+    result["table"] += (
+        f"\n\n{w['num_requests']} requests per rate; prompts median {w['prompt_tokens_median']:g} tokens (max "
+        f"{w['prompt_tokens_max']}), outputs median {w['output_tokens_median']:g} (max {w['output_tokens_max']}), "
+        f"{w['shared_prefix_requests']} behind a {args.system_prompt}-token system prompt; servers on {threads} "
+        f"threads, ours with weights in {options['quantize'] or 'float32'}"
+    )
+    if args.plot:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        http.plot_http(result, args.plot)
+        log(f"wrote {args.plot}")
+    return result
+
+
 def run_kernels(args: argparse.Namespace) -> dict:
     from cs336_inference.bench import kernels_ab
     from cs336_inference.fast.cpu import build
@@ -568,6 +625,25 @@ def main(argv: list[str] | None = None) -> int:
     con.add_argument("--prompt-len", type=int, default=64, help="prompt tokens")
     con.add_argument("--steps", type=int, default=16, help="timed decode steps per row and phase")
     con.add_argument("--out", type=Path, help="write the results as JSON here")
+    web = sub.add_parser("http", help="servers over HTTP from a client process: ours, static, llama.cpp")
+    web.add_argument("--model", help="GGUF or checkpoint (default: the SmolLM2-135M-Instruct GGUF)")
+    web.add_argument(
+        "--systems", default="continuous,static,llama.cpp", help="servers to run (comma-separated)"
+    )
+    web.add_argument("--rates", default="0.5,1,2", help="arrival rates, requests/s (comma-separated)")
+    web.add_argument("--requests", type=int, default=32, help="requests per rate")
+    web.add_argument("--seed", type=int, default=0)
+    web.add_argument("--prompt-median", type=float, default=200, help="median prompt tokens (log-normal)")
+    web.add_argument("--output-median", type=float, default=100, help="median output tokens (log-normal)")
+    web.add_argument("--max-prompt", type=int, default=1024, help="longest prompt")
+    web.add_argument("--max-output", type=int, default=400, help="longest output")
+    web.add_argument("--system-prompt", type=int, default=128, help="tokens of the shared system prompt")
+    web.add_argument("--shared-fraction", type=float, default=0.3, help="share of requests behind it")
+    web.add_argument("--quantize", default="q4_1", help="our servers' weight format ('none': as loaded)")
+    web.add_argument("--max-batch-seqs", type=int, default=16, help="our servers' sequences per step")
+    web.add_argument("--threads", type=int, help="threads of every server (default: the cores)")
+    web.add_argument("--out", type=Path, help="write the results as JSON here")
+    web.add_argument("--plot", type=Path, help="write the latency / throughput plot (PNG) here")
     srv = sub.add_parser("serve", help="static vs continuous batching on a generated workload")
     srv.add_argument("--model", help="checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     srv.add_argument("--rates", default="1,4", help="arrival rates to sweep, requests/s (comma-separated)")
@@ -608,6 +684,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_engine(args)
         elif args.command == "contention":
             result = run_contention(args)
+        elif args.command == "http":
+            result = run_http(args)
         else:
             if args.runs < 1 or args.new_tokens < 2:
                 raise BenchmarkError(
@@ -620,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     table = (
         result["table"]
-        if args.command in ("quant", "speculative", "gpu", "kernels", "engine", "contention")
+        if args.command in ("quant", "speculative", "gpu", "kernels", "engine", "contention", "http")
         else format_report(result)
     )
     print(table)

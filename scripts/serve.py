@@ -2,6 +2,7 @@
 
     python scripts/serve.py                                  # SmolLM2-135M-Instruct on 127.0.0.1:8000
     python scripts/serve.py --model path/to/model.gguf --port 8080 --num-blocks 512
+    python scripts/serve.py --quantize q4_1 --threads 2     # 4-bit weights, as the GGUF stores them
 
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZE = ("int8", "int4", "q8_0", "q4_0", "q4_1", "int4_a8", "q8_0_a8", "q4_0_a8")  # kernels for each
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-seqs", type=int, default=16, help="sequences per step (default 16)")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (default 512)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share prompt-prefix blocks")
+    p.add_argument(
+        "--static-batching",
+        action="store_true",
+        help="admit a new batch only when the last has finished (the baseline, for benchmarks)",
+    )
     p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument(
+        "--quantize",
+        choices=QUANTIZE,
+        help="serve the weights quantized to this format, the output matrix too (default: as loaded)",
+    )
     p.add_argument("--eager", action="store_true", help="the readable PyTorch layers, not the kernels")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: one per idle core)")
     args = p.parse_args(argv)
@@ -67,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, OSError, ValueError) as e:
         print(f"serve.py: {e}", file=sys.stderr)
         return 2
+    if args.quantize:
+        from cs336_inference.quantization import quantize_model
+
+        model = quantize_model(model, args.quantize, quantize_head=True)
     if not args.eager:
         from cs336_inference.fast import install
 
@@ -79,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         max_batch_tokens=args.max_batch_tokens,
         max_batch_seqs=args.max_batch_seqs,
         prefix_caching=not args.no_prefix_caching,
+        static_batching=args.static_batching,
     )
     path = "eager (readable PyTorch)" if args.eager else "fast path (kernels installed)"
+    if args.quantize:
+        path += f", weights in {args.quantize}"
     print(
         f"serving {name!r} on http://{args.host}:{args.port}/v1; {path}, {torch.get_num_threads()} threads",
         file=sys.stderr,

@@ -114,6 +114,17 @@ def test_completion_matches_generate(server):
     assert out.usage.prompt_tokens == len(ids) and 1 <= out.usage.completion_tokens <= 12
 
 
+def test_ignore_eos_runs_to_max_tokens(server):
+    """vLLM's extension: the EOS ids do not end the reply; it is generate's with no stop tokens."""
+    prompt = "Once upon a time"
+    out = server.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=9, temperature=0, extra_body={"ignore_eos": True}
+    )
+    ids = generate(server.model, server.tokenizer.encode(prompt), 9, stop_token_ids=[]).tolist()
+    assert out.usage.completion_tokens == 9 and out.choices[0].finish_reason == "length"
+    assert out.choices[0].text == server.tokenizer.decode(ids)
+
+
 def test_streamed_chat_equals_plain_chat_and_generate(server):
     messages = [{"role": "user", "content": "Name three colours."}]
     kwargs = dict(model=MODEL, messages=messages, max_tokens=20, temperature=0)
@@ -160,6 +171,7 @@ BAD = {
     "top_p > 1": ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400),
     "prompt missing": ({"model": MODEL, "max_tokens": 4}, 400),
     "not an object": (b"[1, 2]", 400),
+    "ignore_eos not a bool": ({"model": MODEL, "prompt": "hi", "ignore_eos": "yes"}, 400),
 }
 
 

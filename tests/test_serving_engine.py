@@ -590,6 +590,29 @@ def test_engine_under_pressure_every_request_completes_as_alone():
     assert_same_as_alone(model, prompts, params, outs)
 
 
+def test_static_batching_admits_a_batch_only_when_the_last_has_finished():
+    """static_batching=True: requests arriving while a batch runs wait for all of it to finish; every
+    request still decodes as generate alone."""
+    model = tiny_model("gqa")
+    prompts, params, arrivals = random_workload(30, seed=4, max_new=10)
+    engine = LLMEngine(model, num_blocks=64, block_size=4, max_batch_seqs=6, static_batching=True)
+
+    batches, last = [], set()
+
+    def check(engine):
+        running = {s.request_id for s in engine.scheduler.running}
+        if running - last and last - running == set() and last:
+            raise AssertionError(f"admitted {sorted(running - last)} while {sorted(last)} still ran")
+        if running and not (running & last):
+            batches.append(running)
+        last.clear()
+        last.update(running)
+
+    outs = run_with_arrivals(engine, prompts, params, arrivals, check=check)
+    assert len(batches) > 3, f"expected several static batches, got {batches}"
+    assert_same_as_alone(model, prompts, params, outs)
+
+
 def test_engine_prefix_sharing_counts_shared_blocks_once_and_keeps_outputs():
     model = tiny_model("mha")
     shared = [random.Random(5).randrange(61) for _ in range(13)]  # 3 full blocks of 4 and one token

@@ -25,11 +25,15 @@ window is applied by the mask; freeing blocks that leave the window is not done)
 local/global, MLA (the latent cache is paged the same way), CLA (borrowing layers read their
 owner's blocks, so the paged cache shrinks by kv_share like the contiguous one).
 
+static_batching=True turns the engine into the baseline it replaces, for benchmarks: waiting
+requests are admitted only when no sequence is running, so a batch runs until its longest request ends.
+
 The engine is not thread-safe: one thread drives it (the HTTP server does so from its own loop).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import numbers
@@ -76,6 +80,7 @@ class LLMEngine:
         max_batch_tokens: int = 512,
         max_batch_seqs: int = 16,
         prefix_caching: bool = True,
+        static_batching: bool = False,
     ):
         for name, value in [("max_batch_tokens", max_batch_tokens), ("max_batch_seqs", max_batch_seqs)]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -86,6 +91,9 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.cache = PagedKVCache(self.config, num_blocks, block_size, model.norm.weight.dtype, self.device)
         self.scheduler = Scheduler(self.blocks, self.cache.copy_block, max_batch_tokens, max_batch_seqs)
+        # static batching (the baseline, for benchmarks): a new batch is admitted only once every
+        # sequence of the last one has finished; steps, cache and sampling as continuous batching
+        self.static_batching = static_batching
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests
         # The latest finished requests, kept for request_metrics; bounded so that a long-running
         # server does not grow without limit (the oldest is forgotten first).
@@ -157,7 +165,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward over every scheduled sequence's new tokens, sample."""
         outputs, self._pending = self._pending, []
-        scheduled = self.scheduler.schedule()
+        scheduled = self._schedule()
         if not scheduled:
             return outputs
         self.num_steps += 1
@@ -189,6 +197,16 @@ class LLMEngine:
                 self._finish(seq, reason)
             outputs.append(RequestOutput(seq.request_id, [token], reason is not None, reason))
         return outputs
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        sched = self.scheduler
+        if not (self.static_batching and sched.running):
+            return sched.schedule()
+        held, sched.waiting = sched.waiting, collections.deque()  # a batch is running: admit nobody
+        try:
+            return sched.schedule()
+        finally:
+            sched.waiting.extend(held)  # after any sequence this step preempted (at the front)
 
     def _sample(self, logits: Tensor, seqs: list[Request], rows: list[int]) -> list[int]:
         """Next token of each sequence from its row of logits: greedy rows in one argmax, sampled rows

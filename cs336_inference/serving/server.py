@@ -5,7 +5,8 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true for
 server-sent events, one `data: {chunk}` per new piece of text and `data: [DONE]` at the end),
-GET /v1/models, GET /health. Bad requests get a 4xx JSON body in OpenAI's error shape
+GET /v1/models, GET /health. Extensions to OpenAI's parameters, as vLLM names them: "top_k", and
+"ignore_eos" (true: the reply runs to max_tokens, the model's EOS ids included; for benchmarks). Bad requests get a 4xx JSON body in OpenAI's error shape
 {"error": {"message", "type", "param", "code"}}; the server keeps serving.
 
 Threads: the engine is not thread-safe, so one background thread owns it. It drains a command
@@ -209,6 +210,9 @@ class RequestParser:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise APIError(400, f"'stream' must be true or false, got {stream!r}", param="stream")
+        ignore_eos = body.get("ignore_eos", False)  # an extension, like vLLM's: exactly max_tokens tokens
+        if not isinstance(ignore_eos, bool):
+            raise APIError(400, f"'ignore_eos' must be true or false, got {ignore_eos!r}", param="ignore_eos")
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise APIError(400, "'stream_options' must be an object", param="stream_options")
@@ -218,7 +222,7 @@ class RequestParser:
             top_k=top_k,
             top_p=None if top_p >= 1.0 else float(top_p),
             seed=seed,
-            stop_token_ids=tuple(self.stop_ids),
+            stop_token_ids=() if ignore_eos else tuple(self.stop_ids),
         )
         return Parsed(prompt_ids, params, stream, bool(options.get("include_usage", False)))
 
