@@ -353,7 +353,8 @@ def run_serve(args: argparse.Namespace) -> int:
     model = install(load_pretrained(source, dtype=torch.float32).eval())
     shape = dict(
         prompt_median=args.prompt_median, output_median=args.output_median, max_prompt=args.max_len,
-        max_output=args.max_len, system_prompt_len=args.system_prompt, shared_fraction=args.shared_fraction,
+        max_output=args.max_output or args.max_len, system_prompt_len=args.system_prompt,
+        shared_fraction=args.shared_fraction,
     )  # fmt: skip
     load_start = os.getloadavg()[0]
     result = workload.serving_benchmark(
@@ -656,6 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--prompt-median", type=float, default=24, help="median prompt length (log-normal)")
     srv.add_argument("--output-median", type=float, default=24, help="median output length (log-normal)")
     srv.add_argument("--max-len", type=int, default=128, help="longest prompt and longest output")
+    srv.add_argument("--max-output", type=int, help="longest output (default: --max-len)")
     srv.add_argument("--system-prompt", type=int, default=32, help="tokens of the shared system prompt")
     srv.add_argument("--shared-fraction", type=float, default=0.5, help="share of requests that use it")
     srv.add_argument("--threads", type=int, default=1, help="torch CPU threads")

@@ -30,7 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, default=256, help="KV cache blocks (default 256)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     p.add_argument("--max-batch-seqs", type=int, default=16, help="sequences per step (default 16)")
-    p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (default 512)")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="tokens per step (default: 32 on the fast path, the rows one native C call takes; 512 with --eager)",
+    )
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share prompt-prefix blocks")
     p.add_argument(
         "--static-batching",
@@ -46,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eager", action="store_true", help="the readable PyTorch layers, not the kernels")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: one per idle core)")
     args = p.parse_args(argv)
+    if args.max_batch_tokens is None:
+        # on the fast path a step of up to 32 rows is one native call over the paged cache; a longer
+        # prompt chunk would run the readable forward, slower per token (docs/serving.md)
+        args.max_batch_tokens = 512 if args.eager else 32
     for name in ("num_blocks", "block_size", "max_batch_seqs", "max_batch_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")

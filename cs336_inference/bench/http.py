@@ -21,7 +21,9 @@ Systems, each started and stopped by the benchmark on a free port:
 
 Per rate and system: output tokens/s (all output tokens over the time from the first request sent
 to the last reply ended), TTFT, time per output token (TPOT: (end - first token) / (tokens - 1))
-and end-to-end latency, median and p99, and failed requests.
+and end-to-end latency, median and p99, failed requests and replies cut short of their max_tokens
+(llama-cpp-python's server interrupts a streamed reply when the next request comes, unless told not
+to: it runs with --interrupt_requests False here).
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ def server_command(system: str, model_path: str, port: int, threads: int, option
     if system == "llama.cpp":
         return [
             sys.executable, "-m", "llama_cpp.server", "--model", model_path, "--port", str(port),
-            "--n_threads", str(threads), "--n_ctx", str(options.get("n_ctx", 2048)), "--model_alias", MODEL_NAME,
+            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(options.get("n_ctx", 2048)),
+            "--model_alias", MODEL_NAME, "--interrupt_requests", "False",  # True: a new request cuts the last
         ]  # fmt: skip
     cmd = [
         sys.executable, str(SCRIPTS / "serve.py"), "--model", model_path, "--port", str(port),
@@ -136,6 +139,7 @@ def run_client(port: int, extra_body: dict, requests: list[dict]) -> list[dict]:
 
 def summarize(records: list[dict]) -> dict:
     ok = [r for r in records if r["error"] is None and r["first"] is not None]
+    short = sum(r["tokens"] < r["max_tokens"] for r in ok)  # replies cut before max_tokens
     tokens = sum(r["tokens"] for r in ok)
     span = max(r["end"] for r in ok) - min(r["sent"] for r in records) if ok else float("nan")
     ttft = [r["first"] - r["sent"] for r in ok]
@@ -146,7 +150,7 @@ def summarize(records: list[dict]) -> dict:
         return float(np.percentile(values, q)) if values else float("nan")
 
     return dict(
-        requests=len(records), failed=len(records) - len(ok), output_tokens=tokens,
+        requests=len(records), failed=len(records) - len(ok), short=short, output_tokens=tokens,
         throughput=tokens / span if ok else 0.0, duration_s=span,
         ttft_p50=pct(ttft, 50), ttft_p99=pct(ttft, 99), tpot_p50=pct(tpot, 50), tpot_p99=pct(tpot, 99),
         e2e_p50=pct(e2e, 50), e2e_p99=pct(e2e, 99),
@@ -213,32 +217,42 @@ def http_benchmark(
 
 def format_http_table(result: dict) -> str:
     out = [
-        "| rate (req/s) | server | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | end-to-end p50 / p99 (s) | failed |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| rate (req/s) | server | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | end-to-end p50 / p99 (s) | failed | cut short |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in sorted(result["runs"], key=lambda r: (r["rate"], r["system"])):
         out.append(
             f"| {r['rate']:g} | {r['system']} | {r['throughput']:.1f} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | "
             f"{r['tpot_p50'] * 1e3:.0f} / {r['tpot_p99'] * 1e3:.0f} | {r['e2e_p50']:.1f} / {r['e2e_p99']:.1f} | "
-            f"{r['failed']} |"
+            f"{r['failed']} | {r['short']} |"
         )
     return "\n".join(out)
 
 
 def plot_http(result: dict, path) -> None:
-    """Throughput against latency (median and p99 end-to-end), one line per server over the rates."""
+    """Throughput against latency (end-to-end and TTFT, median and p99), one colour per server, one point
+    per arrival rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for system in sorted({r["system"] for r in result["runs"]}):
+    for i, system in enumerate(sorted({r["system"] for r in result["runs"]})):
         runs = sorted((r for r in result["runs"] if r["system"] == system), key=lambda r: r["rate"])
-        x = [r["throughput"] for r in runs]
-        axes[0].plot(x, [r["e2e_p50"] for r in runs], "o-", label=f"{system} (p50)")
-        axes[0].plot(x, [r["e2e_p99"] for r in runs], "x--", label=f"{system} (p99)")
-        axes[1].plot(x, [r["ttft_p50"] for r in runs], "o-", label=f"{system} (p50)")
+        x, color = [r["throughput"] for r in runs], f"C{i}"
+        axes[0].plot(x, [r["e2e_p50"] for r in runs], "o-", color=color, label=f"{system} (p50)")
+        axes[0].plot(x, [r["e2e_p99"] for r in runs], "x--", color=color, label=f"{system} (p99)")
+        axes[1].plot(x, [r["ttft_p50"] for r in runs], "o-", color=color, label=f"{system} (p50)")
+        axes[1].plot(x, [r["ttft_p99"] for r in runs], "x--", color=color, label=f"{system} (p99)")
+        for r in runs:  # each point's arrival rate
+            axes[0].annotate(
+                f"{r['rate']:g}/s",
+                (r["throughput"], r["e2e_p50"]),
+                fontsize=7,
+                xytext=(3, -9),
+                textcoords="offset points",
+            )
     axes[0].set(xlabel="output tokens/s", ylabel="end-to-end latency (s)", title="latency vs throughput")
     axes[1].set(xlabel="output tokens/s", ylabel="time to first token (s)", title="TTFT vs throughput")
     for ax in axes:

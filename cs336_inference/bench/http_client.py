@@ -23,6 +23,7 @@ async def one(client, plan: dict, r: dict, t0: float) -> dict:
     await asyncio.sleep(max(0.0, t0 + r["arrival"] - time.perf_counter()))
     sent = time.perf_counter()
     rec = dict(arrival=r["arrival"], sent=sent - t0, first=None, end=None, chunks=0, tokens=None, error=None)
+    rec["max_tokens"] = r["max_tokens"]
     try:
         stream = await client.completions.create(
             model=plan["model"], prompt=r["prompt"], max_tokens=r["max_tokens"], temperature=0.0,
