@@ -10,8 +10,9 @@ sequence's block table, in place (no gathered copy). The products read each weig
 the rows, so 16 decoding sequences cost little more than one: decode is memory-bound.
 
 Row by row the operations are those of the native step over a static cache (the same products,
-norms, rotary, and keys visited in step order), so an engine request decodes as `generate` does on
-the native step. Longer steps (a prompt chunk past MAX_ROWS tokens) and models or caches it cannot
+norms and rotary, each head's keys visited in step order), and no row's numbers depend on the other
+rows of the step: a request gets bitwise the same logits alone as beside others
+(tests/test_paged_native.py, which also compares every step with the readable forward). Longer steps (a prompt chunk past MAX_ROWS tokens) and models or caches it cannot
 run (`why_not_paged`: MLA, CLA, another dtype) take the readable forward.
 """
 
