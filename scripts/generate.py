@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the readable PyTorch model only (no kernels, no native steps)",
     )
+    p.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="end the text before the first occurrence of TEXT (repeat for up to 4; \\n for a newline)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (text + statistics) on stdout")
     return p
 
@@ -142,6 +148,14 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--draft-shares-cache needs a draft model (e.g. --draft int4)")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if args.stop:
+        from cs336_inference.io.detokenize import check_stop_strings
+
+        args.stop = [s.replace("\\n", "\n").replace("\\t", "\t") for s in args.stop]  # typed as \n, \t
+        try:
+            check_stop_strings(args.stop)
+        except ValueError as e:
+            raise UsageError(f"--stop: {e}") from None
     if args.prompt_arg is not None and args.prompt is not None:
         raise UsageError("give the prompt either as an argument or with --prompt, not both")
     if args.model is not None:
@@ -162,29 +176,6 @@ def read_prompt(args: argparse.Namespace) -> str:
     if not text.strip():
         raise UsageError("the prompt is empty")
     return text
-
-
-class TerminalStream:
-    """Decodes the growing list of ids and writes only the new text; waits while the text ends in an
-    incomplete UTF-8 character (byte-level BPE can split one character across tokens)."""
-
-    def __init__(self, tokenizer, out):
-        self.tokenizer, self.out = tokenizer, out
-        self.ids: list[int] = []
-        self.written = 0
-
-    def add(self, token_id: int) -> None:
-        self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if not text.endswith("\ufffd"):
-            self.flush(text)
-
-    def flush(self, text: str | None = None) -> None:
-        text = self.tokenizer.decode(self.ids) if text is None else text
-        if self.out is not None and len(text) > self.written:
-            self.out.write(text[self.written :])
-            self.out.flush()
-        self.written = max(self.written, len(text))
 
 
 def native_mode(model) -> str | None:
@@ -214,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
 
     from cs336_inference.config import ConfigError
     from cs336_inference.io.checkpoint import default_model_path, load_pretrained
+    from cs336_inference.io.detokenize import Detokenizer
     from cs336_inference.io.tokenizer import load_tokenizer
     from cs336_inference.sampling import SamplingParams, stream_generate
 
@@ -277,7 +269,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"[max-new-tokens lowered to {max_new} to fit the context window of {window}]", file=sys.stderr)
     stop_ids = list(dict.fromkeys(list(tokenizer.eos_token_ids) + model.config.eos_token_ids))
 
-    stream = TerminalStream(tokenizer, None if args.json else sys.stdout)
+    stream = Detokenizer(tokenizer, args.stop or ())
+    out = None if args.json else sys.stdout
     stopped = False
     params = SamplingParams(max_new, args.temperature, args.top_k, args.top_p, args.seed, stop_ids)
     spec_stats = None
@@ -330,8 +323,16 @@ def run(args: argparse.Namespace) -> int:
         if token_id in stop_ids:
             stopped = True
             break
-        stream.add(token_id)
-    stream.flush()
+        text = stream.push([token_id])
+        if out is not None and text:
+            out.write(text)
+            out.flush()
+        if stream.stopped:  # a stop string: no more tokens
+            break
+    text = stream.push([], finished=True)  # what was held back
+    if out is not None and text:
+        out.write(text)
+        out.flush()
     n_new = len(stream.ids) + int(stopped)
     decode_s = (t_last - t_first) if n_new > 1 else 0.0
     stats = {
@@ -343,6 +344,7 @@ def run(args: argparse.Namespace) -> int:
         "prompt_tokens": len(prompt_ids),
         "generated_tokens": n_new,
         "stopped_at_eos": stopped,
+        "stop_string": stream.stop_string,
         "ttft_s": t_first - t_start,
         "decode_tokens_per_s": (n_new - 1) / decode_s if decode_s > 0 else None,
         "total_s": t_last - t_start,
@@ -351,10 +353,10 @@ def run(args: argparse.Namespace) -> int:
         spec = spec_stats.as_dict()
         stats["speculative"] = {"draft": args.draft, **spec}
     if args.json:
-        stats = {"text": tokenizer.decode(stream.ids), "token_ids": stream.ids, **stats}
+        stats = {"text": stream.text, "token_ids": stream.ids, **stats}
         print(json.dumps(stats))
     else:
-        if not stream.tokenizer.decode(stream.ids).endswith("\n"):
+        if not stream.text.endswith("\n"):
             sys.stdout.write("\n")
         sys.stdout.flush()
         speed = "n/a" if stats["decode_tokens_per_s"] is None else f"{stats['decode_tokens_per_s']:.1f}"

@@ -59,6 +59,8 @@ def run_cli(*args: str, stdin: str | None = None, timeout: float = 900) -> subpr
         (["--compile"], "--compile"),
         (["--eager", "--draft", "ngram", "--compile"], "--compile"),
         (["--speculate-k", "3"], "--speculate-k"),
+        (["--stop", "a", "--stop", "b", "--stop", "c", "--stop", "d", "--stop", "e"], "--stop"),
+        (["--stop", ""], "--stop"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, option, tmp_path):
@@ -126,6 +128,18 @@ def test_json_tokens_equal_the_library_and_the_naive_sampler(tiny_checkpoint):
     assert out["token_ids"] == expected == out_naive["token_ids"]
     assert out["prompt_tokens"] == 10 and out["generated_tokens"] == 12 and out["use_cache"]
     assert not out_naive["use_cache"] and out["ttft_s"] > 0 and out["decode_tokens_per_s"] > 0
+
+
+def test_stop_strings_end_the_text_before_the_first_one(tiny_checkpoint):
+    args = ["--model", str(tiny_checkpoint), "--raw", "--json", "--max-new-tokens", "16", *FAST, words(10)]
+    full = json.loads(run_cli(*args).stdout)["text"]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    result = run_cli(*args, "--stop", "never here", "--stop", stop)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["text"] == full[: full.find(stop)] and out["stop_string"] == stop, (out["text"], full, stop)
+    plain = run_cli(*[a for a in args if a != "--json"], "--stop", stop)  # streamed to stdout
+    assert plain.stdout.rstrip("\n") == full[: full.find(stop)].rstrip("\n")
 
 
 def test_the_default_fast_path_gives_the_eager_tokens_greedy_and_sampled(tiny_checkpoint):

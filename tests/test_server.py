@@ -125,6 +125,35 @@ def test_ignore_eos_runs_to_max_tokens(server):
     assert out.choices[0].text == server.tokenizer.decode(ids)
 
 
+def test_stop_strings_end_the_reply_before_them_streamed_or_not(server):
+    """A stop string that spans two tokens, in the middle of the reply: the text ends before it,
+    finish_reason is "stop", the streamed deltas add up to the same text, and the request's blocks
+    are freed (the engine stops it)."""
+    prompt = "The capital of France is"
+    gen = generate(server.model, server.tokenizer.encode(prompt), 24, stop_token_ids=[]).tolist()
+    full = server.tokenizer.decode(gen)
+    prefixes = [server.tokenizer.decode(gen[:i]) for i in range(1, len(gen))]
+    b = next(
+        len(p) for p in prefixes
+        if 6 <= len(p) <= len(full) - 3 and full.startswith(p) and "\ufffd" not in full[len(p) - 2 : len(p) + 2]
+    )  # fmt: skip
+    stop = full[b - 2 : b + 2]  # two characters of one token, two of the next
+    want = full[: full.find(stop)]
+    kwargs = dict(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=["never in this text", stop],
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    plain = server.client.completions.create(**kwargs)
+    assert plain.choices[0].text == want and plain.choices[0].finish_reason == "stop", plain.choices[0]
+    chunks = list(server.client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    deadline = time.monotonic() + 10
+    while server.stats()["free_blocks"] != NUM_BLOCKS:
+        assert time.monotonic() < deadline, f"blocks still held after a stop string: {server.stats()}"
+        time.sleep(0.05)
+
+
 def test_streamed_chat_equals_plain_chat_and_generate(server):
     messages = [{"role": "user", "content": "Name three colours."}]
     kwargs = dict(model=MODEL, messages=messages, max_tokens=20, temperature=0)
@@ -172,6 +201,8 @@ BAD = {
     "prompt missing": ({"model": MODEL, "max_tokens": 4}, 400),
     "not an object": (b"[1, 2]", 400),
     "ignore_eos not a bool": ({"model": MODEL, "prompt": "hi", "ignore_eos": "yes"}, 400),
+    "5 stop strings": ({"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400),
+    "an empty stop string": ({"model": MODEL, "prompt": "hi", "stop": [""]}, 400),
 }
 
 

@@ -5,7 +5,9 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true for
 server-sent events, one `data: {chunk}` per new piece of text and `data: [DONE]` at the end),
-GET /v1/models, GET /health. Extensions to OpenAI's parameters, as vLLM names them: "top_k", and
+GET /v1/models, GET /health. "stop": up to 4 strings; the reply ends before the first one that
+appears in its text (finish_reason "stop"), and a stream holds back text that could begin one.
+Extensions to OpenAI's parameters, as vLLM names them: "top_k", and
 "ignore_eos" (true: the reply runs to max_tokens, the model's EOS ids included; for benchmarks). Bad requests get a 4xx JSON body in OpenAI's error shape
 {"error": {"message", "type", "param", "code"}}; the server keeps serving.
 
@@ -33,6 +35,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from cs336_inference.io.detokenize import Detokenizer, check_stop_strings
 from cs336_inference.serving import SamplingParams
 
 DONE = object()  # put on a request's queue when the engine will send nothing more for it
@@ -152,6 +155,7 @@ class Parsed:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    stop_strings: tuple[str, ...] = ()
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
@@ -185,8 +189,10 @@ class RequestParser:
             )  # fmt: skip
         if body.get("n") not in (None, 1):
             raise APIError(400, "only n = 1 is supported", param="n")
-        if body.get("stop") not in (None, [], ""):
-            raise APIError(400, "stop strings are not supported (the model's EOS ends a reply)", "stop")
+        try:
+            stop_strings = check_stop_strings(body.get("stop") or None)
+        except ValueError as e:
+            raise APIError(400, str(e), param="stop") from None
         prompt_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
         P = len(prompt_ids)
         window = min(self.max_seq_len, self.capacity)
@@ -224,7 +230,7 @@ class RequestParser:
             seed=seed,
             stop_token_ids=() if ignore_eos else tuple(self.stop_ids),
         )
-        return Parsed(prompt_ids, params, stream, bool(options.get("include_usage", False)))
+        return Parsed(prompt_ids, params, stream, bool(options.get("include_usage", False)), stop_strings)
 
     def _completion_prompt(self, body: dict) -> list[int]:
         prompt = body.get("prompt")
@@ -269,36 +275,35 @@ class RequestParser:
 
 # ------------------------------------------------------------------ detokenizing a stream
 class TextStream:
-    """Token ids in, text deltas out: decode everything so far and send what is new, holding back
-    a trailing U+FFFD (half a UTF-8 character). The deltas concatenate to the final text, which
-    leaves out the stop token that ended the reply."""
+    """A reply's token ids in, text deltas out (io/detokenize.py's Detokenizer: half characters and
+    what could begin a stop string held back). The deltas concatenate to the final text, which leaves
+    out the stop token that ended the reply, and ends before a stop string that did."""
 
-    def __init__(self, tokenizer, stop_ids: list[int]):
-        self.tokenizer, self.stop_ids = tokenizer, set(stop_ids)
-        self.ids: list[int] = []
-        self.sent = ""
+    def __init__(self, tokenizer, stop_ids: list[int], stop_strings: tuple[str, ...] = ()):
+        self.stop_ids = set(stop_ids)
+        self.detok = Detokenizer(tokenizer, stop_strings)
         self.finish_reason: str | None = None
-
-    def push(self, new_ids: list[int], finished: bool, finish_reason: str | None) -> str:
-        self.ids.extend(new_ids)
-        if finished:
-            self.finish_reason = finish_reason or "length"
-        text = self.text()
-        if (not finished and text.endswith("\ufffd")) or not text.startswith(self.sent):
-            return ""  # wait for the rest of the character (byte-level BPE never rewrites the past)
-        delta, self.sent = text[len(self.sent) :], text
-        return delta
+        self.eos = 0
 
     @property
-    def completion_ids(self) -> list[int]:
-        ids = self.ids
-        return ids[:-1] if ids and self.finish_reason == "stop" and ids[-1] in self.stop_ids else ids
+    def num_tokens(self) -> int:
+        return len(self.detok.ids) + self.eos
+
+    def push(self, new_ids: list[int], finished: bool, finish_reason: str | None) -> str:
+        eos = finished and finish_reason == "stop" and bool(new_ids) and new_ids[-1] in self.stop_ids
+        delta = self.detok.push(new_ids[:-1] if eos else new_ids, finished)
+        if eos:
+            self.eos = 1  # the stop token: counted in the usage, not decoded
+        if self.detok.stopped:
+            self.finish_reason = "stop"
+        elif finished:
+            self.finish_reason = finish_reason or "length"
+        return delta
 
     def text(self) -> str:
-        return self.tokenizer.decode(self.completion_ids)
+        return self.detok.text
 
 
-# ------------------------------------------------------------------ the app
 def create_app(engine, tokenizer, model_name: str, stop_token_ids: list[int] | None = None):
     """The FastAPI app serving `engine` (an LLMEngine) as `model_name`.
 
@@ -388,7 +393,7 @@ def create_app(engine, tokenizer, model_name: str, stop_token_ids: list[int] | N
                 runner.abort(rid)
 
     def usage(parsed: Parsed, text: TextStream) -> dict:
-        P, n = len(parsed.prompt_ids), len(text.ids)
+        P, n = len(parsed.prompt_ids), text.num_tokens
         return {"prompt_tokens": P, "completion_tokens": n, "total_tokens": P + n}
 
     async def handle(request: Request, chat: bool):
@@ -397,11 +402,13 @@ def create_app(engine, tokenizer, model_name: str, stop_token_ids: list[int] | N
         kind = "chat.completion" if chat else "text_completion"
         rid_public = ("chatcmpl-" if chat else "cmpl-") + rid
         head = {"id": rid_public, "object": kind, "created": int(time.time()), "model": model_name}
-        text = TextStream(tokenizer, parse.stop_ids)
+        text = TextStream(tokenizer, parse.stop_ids, parsed.stop_strings)
 
         if not parsed.stream:
             async for item in outputs(request, rid, out):
                 text.push(item.new_token_ids, item.finished, item.finish_reason)
+                if text.finish_reason is not None:
+                    break  # finished, or a stop string ended it: leaving `outputs` aborts the request
             if text.finish_reason is None:  # the client went away
                 return JSONResponse(APIError(499, "client disconnected").body(), status_code=499)
             choice = {"index": 0, "finish_reason": text.finish_reason, "logprobs": None}
@@ -431,12 +438,11 @@ def create_app(engine, tokenizer, model_name: str, stop_token_ids: list[int] | N
                 yield chunk("", None, first=True)
             async for item in outputs(request, rid, out):
                 delta = text.push(item.new_token_ids, item.finished, item.finish_reason)
-                if item.finished:
-                    if delta:
-                        yield chunk(delta, None)
-                    yield chunk(None, text.finish_reason)
-                elif delta:
+                if delta:
                     yield chunk(delta, None)
+                if text.finish_reason is not None:  # finished, or a stop string (the request is aborted)
+                    yield chunk(None, text.finish_reason)
+                    break
             if text.finish_reason is None:
                 return  # aborted: the client is gone
             if parsed.include_usage:
