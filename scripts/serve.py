@@ -14,6 +14,7 @@ Bad arguments exit with status 2 and one line on stderr.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -49,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         help="serve the weights quantized to this format, the output matrix too (default: as loaded)",
     )
     p.add_argument("--eager", action="store_true", help="the readable PyTorch layers, not the kernels")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $CS336_API_KEY, "
+        "else no key)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: one per idle core)")
     args = p.parse_args(argv)
     if args.max_batch_tokens is None:
@@ -106,14 +113,18 @@ def main(argv: list[str] | None = None) -> int:
         prefix_caching=not args.no_prefix_caching,
         static_batching=args.static_batching,
     )
+    api_key = args.api_key or os.environ.get("CS336_API_KEY") or None
     path = "eager (readable PyTorch)" if args.eager else "fast path (kernels installed)"
     if args.quantize:
         path += f", weights in {args.quantize}"
+    if api_key:
+        path += ", API key required"
     print(
         f"serving {name!r} on http://{args.host}:{args.port}/v1; {path}, {torch.get_num_threads()} threads",
         file=sys.stderr,
     )
-    uvicorn.run(create_app(engine, tokenizer, name), host=args.host, port=args.port, log_level="info")
+    app = create_app(engine, tokenizer, name, api_key=api_key)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
 

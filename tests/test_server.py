@@ -34,7 +34,7 @@ MAX_SEQ_LEN = 512
 
 
 class Server:
-    def __init__(self, model, tokenizer, engine):
+    def __init__(self, model, tokenizer, engine, **app_options):
         self.model, self.tokenizer, self.engine = model, tokenizer, engine
         self.aborted: list[str] = []
         abort = engine.abort
@@ -44,7 +44,7 @@ class Server:
             return abort(rid)
 
         engine.abort = counting_abort
-        self.app = create_app(engine, tokenizer, MODEL)
+        self.app = create_app(engine, tokenizer, MODEL, **app_options)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))  # a free port, held from here on (no race with other processes)
         self.port = sock.getsockname()[1]
@@ -63,10 +63,10 @@ class Server:
     def stats(self) -> dict:
         return self.app.state.runner.call(lambda e: e.stats()).result(timeout=10)
 
-    def post(self, path: str, body: bytes | dict) -> tuple[int, dict]:
+    def post(self, path: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+        conn.request("POST", path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
         resp = conn.getresponse()
         status, raw = resp.status, resp.read()
         conn.close()
@@ -81,8 +81,7 @@ class Server:
         return self.tokenizer.decode(ids)
 
 
-@pytest.fixture(scope="module")
-def server():
+def start_server(**app_options) -> Server:
     torch.manual_seed(0)
     tokenizer = load_tokenizer(default_model_path())
     cfg = ModelConfig(
@@ -91,10 +90,32 @@ def server():
     )  # fmt: skip
     model = TransformerLM(cfg).eval()
     engine = LLMEngine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_batch_seqs=8)
-    s = Server(model, tokenizer, engine)
+    return Server(model, tokenizer, engine, **app_options)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = start_server()
     yield s
     s.uvicorn.should_exit = True
     s.thread.join(timeout=10)
+
+
+def get(port: int, path: str, headers: dict | None = None) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", path, headers=headers or {})
+    resp = conn.getresponse()
+    status, raw = resp.status, resp.read()
+    conn.close()
+    return status, raw
+
+
+def metric(text: str, name: str) -> float:
+    """The value of the sample `name` (with its labels, if any) in Prometheus' text format."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no sample {name} in /metrics:\n{text}")
 
 
 def test_health_and_models(server):
@@ -253,3 +274,66 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
     assert len(server.aborted) == before + 1, "the request should have been aborted, not run to the end"
     out = server.client.completions.create(model=MODEL, prompt="after", max_tokens=3, temperature=0)
     assert out.choices[0].text == server.expected(server.tokenizer.encode("after"), 3)
+
+
+def test_metrics_count_requests_tokens_and_latencies(server):
+    """/metrics in Prometheus' text format, scraped before and after three requests."""
+    before = get(server.port, "/metrics")[1].decode()
+    for prompt in ("one", "two", "three"):
+        server.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        )
+    status, raw = get(server.port, "/metrics")
+    after = raw.decode()
+    assert status == 200 and "# TYPE cs336_time_to_first_token_seconds histogram" in after
+    done = 'cs336_requests_finished_total{finish_reason="length"}'
+    assert metric(after, done) - (metric(before, done) if done in before else 0) == 3
+    assert (
+        metric(after, "cs336_generation_tokens_total") - metric(before, "cs336_generation_tokens_total") == 15
+    )
+    assert metric(after, "cs336_time_to_first_token_seconds_count") >= 3
+    assert metric(after, "cs336_time_per_output_token_seconds_count") >= 3
+    assert metric(after, "cs336_kv_blocks") == NUM_BLOCKS and metric(after, "cs336_requests_running") == 0
+    assert metric(after, "cs336_kv_blocks_used") == 0 and metric(after, "cs336_preemptions_total") >= 0
+
+
+def test_a_body_over_the_limit_is_a_413_and_the_server_keeps_serving():
+    s = start_server(max_body_bytes=1000)
+    try:
+        status, reply = s.post("/v1/completions", {"model": MODEL, "prompt": "word " * 500, "max_tokens": 2})
+        assert status == 413 and "larger than 1000 bytes" in reply["error"]["message"], reply
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)  # no length: chunked
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        for _ in range(40):
+            conn.send(b"64\r\n" + b"x" * 100 + b"\r\n")
+        conn.send(b"0\r\n\r\n")
+        assert conn.getresponse().status == 413
+        conn.close()
+        out = s.client.completions.create(model=MODEL, prompt="still there?", max_tokens=2, temperature=0)
+        assert out.choices[0].text == s.expected(s.tokenizer.encode("still there?"), 2)
+    finally:
+        s.uvicorn.should_exit = True
+        s.thread.join(timeout=10)
+
+
+def test_an_api_key_is_needed_everywhere_but_health():
+    s = start_server(api_key="sesame")
+    try:
+        assert get(s.port, "/health")[0] == 200
+        for path in ("/v1/models", "/metrics"):
+            assert get(s.port, path)[0] == 401, path
+            assert get(s.port, path, {"Authorization": "Bearer wrong"})[0] == 401, path
+            assert get(s.port, path, {"Authorization": "Bearer sesame"})[0] == 200, path
+        status, reply = s.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert status == 401 and reply["error"]["code"] == "invalid_api_key", reply
+        with pytest.raises(openai.AuthenticationError):
+            s.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)  # its key is "none"
+        keyed = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="sesame", max_retries=0)
+        out = keyed.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
+        assert out.choices[0].text == s.expected(s.tokenizer.encode("hi"), 2)
+    finally:
+        s.uvicorn.should_exit = True
+        s.thread.join(timeout=10)

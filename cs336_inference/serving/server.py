@@ -5,7 +5,8 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true for
 server-sent events, one `data: {chunk}` per new piece of text and `data: [DONE]` at the end),
-GET /v1/models, GET /health. "stop": up to 4 strings; the reply ends before the first one that
+GET /v1/models, GET /health, GET /metrics (Prometheus' text format). With an API key every endpoint
+but /health needs `Authorization: Bearer <key>` (else 401); a body over 1 MiB is a 413. "stop": up to 4 strings; the reply ends before the first one that
 appears in its text (finish_reason "stop"), and a stream holds back text that could begin one.
 Extensions to OpenAI's parameters, as vLLM names them: "top_k", and
 "ignore_eos" (true: the reply runs to max_tokens, the model's EOS ids included; for benchmarks). Bad requests get a 4xx JSON body in OpenAI's error shape
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hmac
 import json
 import queue
 import threading
@@ -33,12 +35,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cs336_inference.io.detokenize import Detokenizer, check_stop_strings
 from cs336_inference.serving import SamplingParams
 
 DONE = object()  # put on a request's queue when the engine will send nothing more for it
+MAX_BODY_BYTES = 1 << 20  # a request body past this is a 413 (a prompt of a million characters)
 
 
 class APIError(Exception):
@@ -284,12 +289,15 @@ class TextStream:
         self.detok = Detokenizer(tokenizer, stop_strings)
         self.finish_reason: str | None = None
         self.eos = 0
+        self.start, self.first, self.end = time.perf_counter(), None, None  # for /metrics
 
     @property
     def num_tokens(self) -> int:
         return len(self.detok.ids) + self.eos
 
     def push(self, new_ids: list[int], finished: bool, finish_reason: str | None) -> str:
+        if new_ids and self.first is None:
+            self.first = time.perf_counter()
         eos = finished and finish_reason == "stop" and bool(new_ids) and new_ids[-1] in self.stop_ids
         delta = self.detok.push(new_ids[:-1] if eos else new_ids, finished)
         if eos:
@@ -298,16 +306,72 @@ class TextStream:
             self.finish_reason = "stop"
         elif finished:
             self.finish_reason = finish_reason or "length"
+        if self.finish_reason is not None:
+            self.end = time.perf_counter()
         return delta
 
     def text(self) -> str:
         return self.detok.text
 
 
-def create_app(engine, tokenizer, model_name: str, stop_token_ids: list[int] | None = None):
+# ------------------------------------------------------------------ /metrics
+class Metrics:
+    """The server's Prometheus metrics: counters and latency histograms of the requests it answered,
+    kept here, and the engine's own numbers (requests running and waiting, KV blocks, preemptions),
+    read from engine.stats() at each scrape (`collect`)."""
+
+    content_type = CONTENT_TYPE_LATEST
+    LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.finished = Counter("cs336_requests_finished", "Requests finished, by reason", ["finish_reason"], registry=r)  # fmt: skip
+        self.prompt_tokens = Counter(
+            "cs336_prompt_tokens", "Prompt tokens of the requests finished", registry=r
+        )
+        self.generated = Counter("cs336_generation_tokens", "Tokens generated for the requests finished", registry=r)  # fmt: skip
+        self.ttft = Histogram("cs336_time_to_first_token_seconds", "Arrival to first token", buckets=self.LATENCY, registry=r)  # fmt: skip
+        self.tpot = Histogram("cs336_time_per_output_token_seconds", "After the first token, per token", buckets=self.LATENCY, registry=r)  # fmt: skip
+        self.stats: dict = {}
+        r.register(self)
+
+    def collect(self):
+        s = self.stats
+        yield GaugeMetricFamily("cs336_requests_running", "Requests running in the engine", value=s.get("num_running", 0))  # fmt: skip
+        yield GaugeMetricFamily("cs336_requests_waiting", "Requests waiting to be admitted", value=s.get("num_waiting", 0))  # fmt: skip
+        yield GaugeMetricFamily(
+            "cs336_kv_blocks_used", "KV cache blocks in use", value=s.get("used_blocks", 0)
+        )
+        yield GaugeMetricFamily("cs336_kv_blocks", "KV cache blocks in all", value=s.get("num_blocks", 0))
+        yield CounterMetricFamily("cs336_preemptions", "Sequences preempted (to be recomputed)", value=s.get("preemptions", 0))  # fmt: skip
+
+    def observe(self, prompt_tokens: int, text: TextStream) -> None:
+        """A request answered (finished, or ended by a stop string): count it, time it."""
+        self.finished.labels(text.finish_reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generated.inc(text.num_tokens)
+        if text.first is not None:
+            self.ttft.observe(text.first - text.start)
+            if text.num_tokens > 1:
+                self.tpot.observe((text.end - text.first) / (text.num_tokens - 1))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def create_app(
+    engine,
+    tokenizer,
+    model_name: str,
+    stop_token_ids: list[int] | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+):
     """The FastAPI app serving `engine` (an LLMEngine) as `model_name`.
 
     Replies stop at the tokenizer's and the model config's EOS ids (or at stop_token_ids).
+    api_key: every endpoint but /health then needs `Authorization: Bearer <api_key>` (else 401).
+    A request body over max_body_bytes is a 413, read no further.
     The engine's thread starts with the app (lifespan) and stops with it.
     """
     cfg = engine.model.config
@@ -335,6 +399,17 @@ def create_app(engine, tokenizer, model_name: str, stop_token_ids: list[int] | N
     async def api_error(request: Request, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if api_key is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                err = APIError(
+                    401, "a valid API key is needed: Authorization: Bearer <key>", code="invalid_api_key"
+                )
+                return JSONResponse(err.body(), status_code=401)
+        return await call_next(request)
+
     @app.exception_handler(404)
     async def not_found(request: Request, exc):
         return JSONResponse(APIError(404, f"no route {request.url.path}").body(), status_code=404)
@@ -350,13 +425,30 @@ def create_app(engine, tokenizer, model_name: str, stop_token_ids: list[int] | N
             raise APIError(503, f"the engine thread died: {runner.error!r}")
         return {"status": "ok"}
 
+    metrics = Metrics()
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        metrics.stats = await asyncio.wrap_future(runner.call(lambda e: e.stats()))
+        return Response(metrics.exposition(), media_type=metrics.content_type)
+
     @app.get("/v1/models")
     async def models():
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "cs336-inference"}
         return {"object": "list", "data": [card]}
 
     async def read_body(request: Request) -> Any:
-        raw = await request.body()
+        too_big = APIError(413, f"the request body is larger than {max_body_bytes} bytes")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():  # a body without a length (chunked) is counted as it comes
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise too_big
+            chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -411,6 +503,7 @@ def create_app(engine, tokenizer, model_name: str, stop_token_ids: list[int] | N
                     break  # finished, or a stop string ended it: leaving `outputs` aborts the request
             if text.finish_reason is None:  # the client went away
                 return JSONResponse(APIError(499, "client disconnected").body(), status_code=499)
+            metrics.observe(len(parsed.prompt_ids), text)
             choice = {"index": 0, "finish_reason": text.finish_reason, "logprobs": None}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text.text()}
@@ -445,6 +538,7 @@ def create_app(engine, tokenizer, model_name: str, stop_token_ids: list[int] | N
                     break
             if text.finish_reason is None:
                 return  # aborted: the client is gone
+            metrics.observe(len(parsed.prompt_ids), text)
             if parsed.include_usage:
                 yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(parsed, text)})}\n\n"
             yield "data: [DONE]\n\n"
