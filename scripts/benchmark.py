@@ -82,6 +82,14 @@ class BenchmarkError(Exception):
     """Bad input: reported as one line, exit status 2."""
 
 
+def numbers(text: str, option: str, kind=int) -> list:
+    """A comma-separated option's values ("" for none); BenchmarkError (one line) if one is not a number."""
+    try:
+        return [kind(x) for x in text.split(",")] if text else []
+    except ValueError:
+        raise BenchmarkError(f"{option} takes numbers separated by commas, got {text!r}") from None
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -266,8 +274,8 @@ def run_speculative(args: argparse.Namespace) -> dict:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    ks = [int(k) for k in args.ks.split(",")]
-    if args.prompts < 1 or args.max_new_tokens < 1 or min(ks) < 1:
+    ks = numbers(args.ks, "--ks")
+    if args.prompts < 1 or args.max_new_tokens < 1 or not ks or min(ks) < 1:
         raise BenchmarkError("--prompts, --max-new-tokens and every k must be >= 1")
     if args.compiled and args.native:
         raise BenchmarkError("--compiled and --native: choose one way to run the fixed-shape steps")
@@ -341,11 +349,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from cs336_inference.bench import serving as workload
 
-    try:
-        rates = [float(x) for x in args.rates.split(",")]
-    except ValueError:
-        raise BenchmarkError(f"--rates must be comma-separated numbers, got {args.rates!r}") from None
-    if args.requests < 1 or args.threads < 1 or any(r <= 0 for r in rates):
+    rates = numbers(args.rates, "--rates", float)
+    if args.requests < 1 or args.threads < 1 or not rates or any(r <= 0 for r in rates):
         raise BenchmarkError("--requests, --threads and every rate must be > 0")
     torch.set_num_threads(args.threads)
     source = Path(args.model) if args.model else default_model_path()
@@ -392,12 +397,8 @@ def run_engine(args: argparse.Namespace) -> dict:
     from cs336_inference.bench import engine as bench_engine
     from cs336_inference.quantization import quantize_model
 
-    try:
-        sizes = [int(x) for x in args.sizes.split(",")]
-        eager = [int(x) for x in args.eager_sizes.split(",")] if args.eager_sizes else []
-    except ValueError:
-        raise BenchmarkError("--sizes and --eager-sizes take numbers separated by commas") from None
-    if min(sizes + eager) < 1 or args.steps < 1 or args.rounds < 1 or args.prompt_len < 1:
+    sizes, eager = numbers(args.sizes, "--sizes"), numbers(args.eager_sizes, "--eager-sizes")
+    if not sizes or min(sizes + eager) < 1 or args.steps < 1 or args.rounds < 1 or args.prompt_len < 1:
         raise BenchmarkError("--sizes, --eager-sizes, --steps, --rounds and --prompt-len must be >= 1")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -418,10 +419,7 @@ def run_contention(args: argparse.Namespace) -> dict:
     """`contention`: idle vs one core busy, per entry point (cs336_inference.bench.contention)."""
     from cs336_inference.bench import contention
 
-    try:
-        sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else []
-    except ValueError:
-        raise BenchmarkError(f"--sizes takes numbers separated by commas, got {args.sizes!r}") from None
+    sizes = numbers(args.sizes, "--sizes")
     if any(n < 1 for n in sizes) or args.steps < 1 or args.prompt_len < 1:
         raise BenchmarkError("--sizes, --steps and --prompt-len must be >= 1")
     source = Path(args.model) if args.model else default_model_path()
@@ -441,10 +439,7 @@ def run_http(args: argparse.Namespace) -> dict:
     from cs336_inference.bench import http
     from cs336_inference.io.tokenizer import load_tokenizer
 
-    try:
-        rates = [float(x) for x in args.rates.split(",")]
-    except ValueError:
-        raise BenchmarkError(f"--rates must be comma-separated numbers, got {args.rates!r}") from None
+    rates = numbers(args.rates, "--rates", float)
     systems = args.systems.split(",")
     unknown = set(systems) - {"continuous", "static", "llama.cpp"}
     if unknown:
@@ -452,7 +447,7 @@ def run_http(args: argparse.Namespace) -> dict:
     if "llama.cpp" in systems and importlib.util.find_spec("llama_cpp") is None:
         log("llama-cpp-python is not installed (pip install 'llama-cpp-python[server]'): llama.cpp left out")
         systems.remove("llama.cpp")
-    if args.requests < 1 or any(r <= 0 for r in rates) or not systems:
+    if args.requests < 1 or not rates or any(r <= 0 for r in rates) or not systems:
         raise BenchmarkError("--requests and every rate must be > 0, and at least one system must run")
     source = str(args.model or default_model_path())
     tokenizer = load_tokenizer(source)
@@ -492,10 +487,7 @@ def run_kernels(args: argparse.Namespace) -> dict:
         raise BenchmarkError("the kernels could not be built here (or CS336_KERNELS=0): nothing to compare")
     if args.rounds < 1:
         raise BenchmarkError(f"--rounds must be >= 1, got {args.rounds}")
-    try:
-        rows = [int(m) for m in args.rows.split(",")]
-    except ValueError:
-        raise BenchmarkError(f"--rows takes numbers separated by commas, got {args.rows!r}") from None
+    rows = numbers(args.rows, "--rows")
     if args.passes:  # whole native T-token passes of SmolLM2, T = the --rows values
         from cs336_inference.io.checkpoint import default_model_path, load_pretrained
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from cs336_inference.bench.engine import EngineSteps, StreamSteps
+from cs336_inference.bench.engine import EngineSteps, StreamSteps, synthetic_prompt
 from cs336_inference.fast import install, uninstall
 from cs336_inference.fast.threads import auto_threads
 
@@ -57,8 +57,7 @@ class ReadableSteps:
     """`generate`'s cached decode on the readable model: `step()` times one step of one sequence."""
 
     def __init__(self, model, prompt_len: int, steps: int):
-        vocab = model.config.vocab_size
-        prompt = torch.tensor([[(100 + 7919 * t) % (vocab - 100) + 100 for t in range(prompt_len)]])
+        prompt = torch.tensor([synthetic_prompt(model.config.vocab_size, prompt_len)])
         self.model, self.cache = model, model.new_cache(1, prompt_len + steps + 8)
         self.token = model(prompt, cache=self.cache)[:, -1:].argmax(-1)
         self.n = 1

@@ -42,6 +42,12 @@ def stored_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def synthetic_prompt(vocab_size: int, n: int, index: int = 0) -> list[int]:
+    """n token ids spread over the vocabulary (past the first 100, where special tokens sit);
+    distinct prompts for distinct `index`, so no two requests share a prefix."""
+    return [(100 + 7919 * (index * n + t)) % (vocab_size - 100) + 100 for t in range(n)]
+
+
 class EngineSteps:
     """An engine holding n requests that all decode: `step()` times one engine step (seconds)."""
 
@@ -50,10 +56,8 @@ class EngineSteps:
         blocks = n * -(-S // block_size) + 1
         self.engine = LLMEngine(model, num_blocks=blocks, block_size=block_size, max_batch_tokens=max(512, n), max_batch_seqs=n)  # fmt: skip
         params = SamplingParams(max_new_tokens=steps + 4, temperature=0.0, stop_token_ids=())
-        vocab = model.config.vocab_size
-        for i in range(n):  # distinct prompts: no prefix sharing
-            ids = [(100 + 7919 * (i * prompt_len + t)) % (vocab - 100) + 100 for t in range(prompt_len)]
-            self.engine.add_request(ids, params)
+        for i in range(n):
+            self.engine.add_request(synthetic_prompt(model.config.vocab_size, prompt_len, i), params)
         while any(s.num_computed < s.num_prompt for s in self.engine.requests.values()):
             self.engine.step()  # prefill (and the first tokens)
         self.n = n
@@ -71,8 +75,7 @@ class StreamSteps:
     """One sequence on the single-stream fast path: `step()` times one native decode step."""
 
     def __init__(self, model, prompt_len: int, steps: int):
-        vocab = model.config.vocab_size
-        prompt = torch.tensor([[(100 + 7919 * t) % (vocab - 100) + 100 for t in range(prompt_len)]])
+        prompt = torch.tensor([synthetic_prompt(model.config.vocab_size, prompt_len)])
         self.cache = model.new_cache(1, prompt_len + steps + 8)
         self.token = model(prompt, cache=self.cache)[:, -1].argmax(-1)
         try:

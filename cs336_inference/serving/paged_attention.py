@@ -135,6 +135,15 @@ class PagedKVCache:
                 t[dst] = t[src]
 
 
+def pad_tables(tables: list[Int[Tensor, " n"]]) -> Int[Tensor, "B n_max"]:
+    """Block tables of different lengths as the rows of one tensor, padded with block 0 (never read:
+    the lengths say where each sequence ends)."""
+    out = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.long)
+    for b, t in enumerate(tables):
+        out[b, : len(t)] = t
+    return out
+
+
 @dataclass
 class SeqSpan:
     """One sequence's share of a step: tokens offset..offset+n-1 of the row are its steps start..start+n-1."""
@@ -178,10 +187,7 @@ class PagedBatch:
         single = [s for s in self.spans if s.n == 1]
         self.single_idx = torch.tensor([s.offset for s in single], dtype=torch.long).to(device)
         if single:
-            tables = torch.zeros(len(single), max(len(s.block_table) for s in single), dtype=torch.long)
-            for b, s in enumerate(single):
-                tables[b, : len(s.block_table)] = s.block_table
-            self.single_tables = tables.to(device)
+            self.single_tables = pad_tables([s.block_table for s in single]).to(device)
             self.single_lengths = torch.tensor([s.start + 1 for s in single]).to(device)
         self.chunks = [s for s in self.spans if s.n > 1]
         for s in self.chunks:

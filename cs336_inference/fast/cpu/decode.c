@@ -591,10 +591,12 @@ static float *deinterleave_x(const float *x, i64 M, i64 I, i64 ldx) {
    With several groups whose x rows together outgrow L1 while one group's fit (OUTER_X_BYTES), and a
    weight small enough to stay in the last-level cache (OUTER_W_BYTES), the groups run one after
    another over all the tiles instead of all the groups per tile: the second pass reads the weights
-   from the cache, and each group's x stays in L1. SmolLM2's fp32 products at 16 rows then took
-   0.83x (gate/up, 3072 x 576) to 0.85x (o, 576 x 576) the time, 0.61x at 32 rows for gate/up; not
-   for down (1536 inputs: one group's x does not fit L1) nor the 113 MB output matrix (read twice
-   from memory: 1.2x) (AMD EPYC Zen 5, 2 threads). A pair's operations are the same either way. */
+   from the cache, and each group's x stays in L1. Against the same kernels without it
+   (`benchmark.py kernels --base REV --formats fp32 --rows 16,32`), all 121 fp32 products of a SmolLM2
+   step took 0.89x the time at 32 rows and 1.04x (no change beyond noise) at 16, with the same bits
+   (AMD EPYC Zen 5, 2 threads, 9 alternating rounds, 2026-11-25). Not for down (1536 inputs: one
+   group's x does not fit L1) nor the output matrix (too big for the cache). A pair's operations are
+   the same either way. */
 enum { OUTER_X_BYTES = 32 << 10 };
 #define OUTER_W_BYTES ((i64)16 << 20)
 static void rowmajor_mm(const Weight *W, const float *x, i64 M, i64 I, i64 ldx, i64 O, const float *bias,

@@ -38,19 +38,15 @@ import time
 import weakref
 
 import torch
-import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
 from cs336_inference.attention import ForwardContext
 from cs336_inference.fast import install
-from cs336_inference.fast.autotune import decode_linear, settle
 from cs336_inference.fast.cpu import build, ops
-from cs336_inference.fast.cpu.ops import linear_fp32
 from cs336_inference.fast.step.fuse import fuse_siblings
-from cs336_inference.fast.step.native import PHASES, NativeLayers
+from cs336_inference.fast.step.native import PHASES, NativeLayers, OutputHead
 from cs336_inference.kv_cache import KVCache, StaticKVCache
-from cs336_inference.quantization.linear import PackedWeight
 from cs336_inference.sampling import SamplingParams, prepare_prompts, sample_next_token, sampling_params
 
 MODES = ("graph", "compile", "native", "eager")
@@ -71,13 +67,6 @@ class _FixedStore:
 class _FixedCache:
     def __init__(self, layers: list[_FixedStore | None]):
         self.layers = layers
-
-
-class _VocabHead:
-    """The output matrix seen as a bias-free Linear, for `decode_linear` (which may re-store its weight)."""
-
-    def __init__(self, weight: Tensor):
-        self.weight, self.bias = weight, None
 
 
 class StaticDecodeStep:
@@ -109,17 +98,11 @@ class StaticDecodeStep:
         self.steps = torch.zeros(T, dtype=torch.long, device=device)  # pos + offsets, set by forward
         # a pad (zeros if none) makes ForwardContext build the causal mask, which hides unwritten slots
         self.pad = torch.zeros(B, dtype=torch.long, device=device) if cache.pad is None else cache.pad
-        # a quantized output matrix: its layer, called directly (what F.linear(h, PackedWeight) does);
-        # a float one: the planned fp32 product of a Linear (fast/autotune.py), which the model's own
-        # last line (F.linear) does not take; ours keeps each row's logits independent of T (with it,
-        # SmolLM2's compiled 5-token verify pass went from 1.43x to 1.23x a step: docs/kernels.md, Intel Xeon)
-        w = model.vocab_weight
-        self.head = w.layer if isinstance(w, PackedWeight) else None
-        self.vocab = _VocabHead(w) if self.head is None else None
         self.view = _FixedCache([None if s is None else _FixedStore(s, self.steps) for s in cache.layers])
         self.native = NativeLayers(model, cache) if native else None  # every layer in one C call
-        if self.native is not None and self.vocab is not None:
-            settle(self.vocab)  # the output matrix in its planned layout, once (in place)
+        # native: our product first, each row's logits independent of T (with it, SmolLM2's compiled
+        # 5-token verify pass went from 1.43x to 1.23x a step: docs/kernels.md, Intel Xeon)
+        self.output = OutputHead(model, ours_first=native)
 
     def forward(self) -> Float[Tensor, "B T V"]:
         model = self.model
@@ -134,15 +117,7 @@ class StaticDecodeStep:
         else:
             for block in model.layers:
                 x = block(x, ctx)
-        h = model.norm(x)
-        if self.head is not None:
-            return self.head(h)
-        if self.native is not None:  # our product, whatever the plan: each row's logits independent of T
-            y = linear_fp32(h, self.vocab.weight)
-            if y is not None:
-                return y
-        y = decode_linear(self.vocab, h)
-        return F.linear(h, model.vocab_weight) if y is None else y
+        return self.output(model.norm(x))
 
 
 def _forward(step: StaticDecodeStep) -> Tensor:

@@ -24,17 +24,18 @@ left as it was) is seen only once a weight moves (fast/step/fuse.py's groups hav
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
 from cs336_inference.attention import Attention
-from cs336_inference.fast.autotune import settle
+from cs336_inference.fast.autotune import decode_linear, settle
 from cs336_inference.fast.cpu import build
-from cs336_inference.fast.cpu.ops import A8_CODE, FORMAT_CODES
+from cs336_inference.fast.cpu.ops import A8_CODE, FORMAT_CODES, linear_fp32
 from cs336_inference.fast.layers import readable_type
 from cs336_inference.kv_cache import StaticKVCache
 from cs336_inference.layers import Linear, RMSNorm, SwiGLU
-from cs336_inference.quantization.linear import QuantizedLinear
+from cs336_inference.quantization.linear import PackedWeight, QuantizedLinear
 
 F32_ROWS, F32_COLS = 0, 6  # step.c's format codes for fp32; the quantized ones are ops.FORMAT_CODES
 
@@ -212,17 +213,46 @@ class NativeLayers:
         B, T, _ = x.shape
         D, N, K, H, F = self.shape
         S = self.cache.layers[0].k.shape[2]
-        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-        steps, pad = steps.contiguous(), pad.contiguous()
-        dims = torch.tensor([B, T, D, N, K, H, F, S, torch.get_num_threads()], dtype=torch.int64)
+        return self._run(self.lib.cs336_layers, [B, T, D, N, K, H, F, S], x, cos, sin, steps, pad)
+
+    def _run(self, fn, dims: list[int], x: Tensor, *inputs: Tensor) -> Tensor:
+        """fn(dims + [threads], the layers' descriptor, L, eps, scale, x, *inputs): x updated in place."""
+        x, inputs = x.contiguous(), [t.contiguous() for t in inputs]
+        dims = torch.tensor([*dims, torch.get_num_threads()], dtype=torch.int64)
         layers = self._layers()
-        status = self.lib.cs336_layers(
-            dims.data_ptr(), layers.data_ptr(), len(self.model.layers), self.eps, self.scale,
-            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), steps.data_ptr(), pad.data_ptr(),
-        )  # fmt: skip
+        pointers = [t.data_ptr() for t in inputs]
+        status = fn(dims.data_ptr(), layers.data_ptr(), len(self.model.layers), self.eps, self.scale, x.data_ptr(), *pointers)  # fmt: skip
         if status != 0:
             raise MemoryError("the native step could not allocate its work buffers")
         return x
+
+
+class OutputHead:
+    """The output product of a step, logits = h W_vocab^T.
+
+    A quantized output matrix runs its own layer (what F.linear(h, PackedWeight) does). A float one
+    takes our fp32 product first when `ours_first` (the native steps: each row's logits then do not
+    depend on how many rows share the call), else the planned product of fast/autotune.py, which the
+    model's own last line (F.linear) does not take; F.linear where neither runs. With ours_first the
+    matrix is re-stored once in its planned layout.
+    """
+
+    bias = None  # a bias-free Linear, for decode_linear
+
+    def __init__(self, model, ours_first: bool):
+        w = model.vocab_weight
+        self.layer = w.layer if isinstance(w, PackedWeight) else None
+        self.weight, self.ours_first = w, ours_first
+        if self.layer is None and ours_first:
+            settle(self)
+
+    def __call__(self, h: Float[Tensor, "... D"]) -> Float[Tensor, "... V"]:
+        if self.layer is not None:
+            return self.layer(h)
+        y = linear_fp32(h, self.weight) if self.ours_first else None
+        if y is None:
+            y = decode_linear(self, h)
+        return F.linear(h, self.weight) if y is None else y
 
 
 PHASES = ("norms", "qkv", "rope", "attend", "o", "residual", "gateup", "silu", "down")  # step.c's order

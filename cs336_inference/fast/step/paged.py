@@ -21,15 +21,13 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from cs336_inference.fast.autotune import decode_linear, settle
-from cs336_inference.fast.cpu.ops import MAX_ROWS, linear_fp32
+from cs336_inference.fast.cpu.ops import MAX_ROWS
 from cs336_inference.fast.step.fuse import fuse_siblings
-from cs336_inference.fast.step.native import NativeLayers, model_problem
-from cs336_inference.quantization.linear import PackedWeight
+from cs336_inference.fast.step.native import NativeLayers, OutputHead, model_problem
+from cs336_inference.serving.paged_attention import pad_tables
 
 
 def why_not_paged(model, cache) -> str | None:
@@ -62,25 +60,9 @@ class PagedLayers(NativeLayers):
         rows: Int[Tensor, "3 M"],
         tables: Int[Tensor, "n blocks"],
     ) -> Float[Tensor, "M D"]:
-        M = x.shape[0]
-        D, N, K, H, F_ = self.shape
-        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-        rows, tables = rows.contiguous(), tables.contiguous()
-        dims = [M, D, N, K, H, F_, tables.shape[1], self.cache.block_size, torch.get_num_threads()]
-        dims = torch.tensor(dims, dtype=torch.int64)
-        layers = self._layers()
-        status = self.lib.cs336_layers_paged(
-            dims.data_ptr(), layers.data_ptr(), len(self.model.layers), self.eps, self.scale,
-            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows.data_ptr(), tables.data_ptr(),
-        )  # fmt: skip
-        if status != 0:
-            raise MemoryError("the paged native step could not allocate its work buffers")
-        return x
-
-
-class _VocabHead:
-    def __init__(self, weight: Tensor):
-        self.weight, self.bias = weight, None
+        D, N, K, H, F = self.shape
+        dims = [x.shape[0], D, N, K, H, F, tables.shape[1], self.cache.block_size]
+        return self._run(self.lib.cs336_layers_paged, dims, x, cos, sin, rows, tables)
 
 
 class PagedStep:
@@ -89,31 +71,18 @@ class PagedStep:
     def __init__(self, model, cache):
         fuse_siblings(model)  # q/k/v and gate/up as one product each, as the native decode step
         self.model, self.layers = model, PagedLayers(model, cache)
-        w = model.vocab_weight
-        self.head = w.layer if isinstance(w, PackedWeight) else None
-        self.vocab = _VocabHead(w) if self.head is None else None
-        if self.vocab is not None:
-            settle(self.vocab)
+        self.output = OutputHead(model, ours_first=True)  # each row's logits independent of the others
 
     def __call__(self, input_ids: Int[Tensor, " M"], batch) -> Float[Tensor, "n V"]:
         model = self.model
         spans = batch.spans
         seq = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor([s.n for s in spans]))
-        width = max(len(s.block_table) for s in spans)
-        tables = torch.zeros(len(spans), width, dtype=torch.long)
-        for i, s in enumerate(spans):
-            tables[i, : len(s.block_table)] = s.block_table
+        tables = pad_tables([s.block_table for s in spans])
         rows = torch.stack([batch.positions, batch.slots, seq])
         x = model.embed(input_ids)
         positions = batch.positions
         x = self.layers(x, model.rope_cos[positions], model.rope_sin[positions], rows, tables)
-        h = model.norm(x[batch.last])
-        if self.head is not None:
-            return self.head(h)
-        y = linear_fp32(h, self.vocab.weight)  # our product: each row's logits independent of n
-        if y is None:
-            y = decode_linear(self.vocab, h)
-        return F.linear(h, model.vocab_weight) if y is None else y
+        return self.output(model.norm(x[batch.last]))
 
 
 _steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # PagedKVCache -> PagedStep | None
