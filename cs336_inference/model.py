@@ -142,8 +142,9 @@ class TransformerLM(nn.Module):
 
         `batch` (a serving.paged_attention.PagedBatch) gives each token's position (for RoPE) and its slot in
         the paged KV cache; embedding, projections and MLP run once over all T tokens ([1, T, D]),
-        attention runs per sequence over that sequence's blocks. Returns the logits of each
-        sequence's last token, [n, V].
+        attention runs per sequence over that sequence's blocks. Returns the logits of the rows
+        batch.logit_rows, [n, V]: each sequence's last token (and every token of a sequence whose
+        prompt log-probabilities the engine wants).
         """
         positions = batch.positions
         if batch.max_position >= self.config.max_seq_len:
@@ -153,7 +154,7 @@ class TransformerLM(nn.Module):
         x = self.embed(input_ids[None])
         for block in self.layers:
             x = block(x, ctx)
-        return F.linear(self.norm(x[0, batch.last]), self.vocab_weight)
+        return F.linear(self.norm(x[0, batch.logit_rows]), self.vocab_weight)
 
     def new_cache(
         self,

@@ -111,6 +111,63 @@ def sample_next_token(
     # END SOLUTION
 
 
+# ------------------------------------------------------------------ log-probabilities
+def sampled_logprobs(
+    logits: Float[Tensor, "B V"],
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> Float[Tensor, "B V"]:
+    """log-probabilities of the distribution sample_next_token draws from (fp32 or wider).
+
+    temperature > 0: log-softmax of the logits after temperature, top-k and top-p, so a token outside
+    the kept set has -inf. Greedy (temperature 0) has no distribution to draw from; it reports the
+    model's own one, log-softmax of the raw logits (temperature 1, nothing filtered): what scoring a
+    text needs, and what the chosen token's log-probability means to a reader.
+    """
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature == 0.0:
+        return logits.log_softmax(dim=-1)
+    logits = apply_temperature(logits, temperature)
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None and top_p < 1.0:
+        logits = top_p_filter(logits, top_p)
+    return logits.log_softmax(dim=-1)
+
+
+@dataclass
+class TokenLogprobs:
+    """One position's log-probabilities: the token's own and the `top` most likely tokens',
+    [(id, logprob), ...] most likely first (equal values: the lower id first). Alternatives with -inf
+    (filtered out by top-k / top-p) are left out, so `top` may be shorter than asked."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(
+    logprobs: Float[Tensor, "B V"], token_ids: Int[Tensor, " B"], num_top: int = 0
+) -> list[TokenLogprobs]:
+    """Row b's entry for token_ids[b] with its num_top most likely alternatives (one sync in all)."""
+    rows = torch.arange(logprobs.shape[0], device=logprobs.device)
+    chosen = logprobs[rows, token_ids].tolist()
+    ids = token_ids.tolist()
+    if num_top == 0:
+        return [TokenLogprobs(i, c, []) for i, c in zip(ids, chosen, strict=True)]
+    values, top_ids = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
+    out = []
+    for i, c, ts, vs in zip(ids, chosen, top_ids.tolist(), values.tolist(), strict=True):
+        top = sorted(((t, v) for t, v in zip(ts, vs, strict=True) if v != float("-inf")), key=_by_value)
+        out.append(TokenLogprobs(i, c, top))
+    return out
+
+
+def _by_value(item: tuple[int, float]) -> tuple[float, int]:
+    return -item[1], item[0]
+
+
 def check_sampling_args(
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -140,6 +197,10 @@ class SamplingParams:
     max_new_tokens: at most this many new tokens. temperature: 0 = greedy. top_k / top_p: None = off.
     seed: a seeded generator makes sampling reproducible (None: the global RNG). stop_token_ids: a row
     ends after producing one of them (it is kept); None = the model config's EOS ids, () = never early.
+    logprobs: None = none; k = each new token's log-probability (`sampled_logprobs`: the distribution
+    it was drawn from) and its k most likely alternatives. prompt_logprobs: the same for every prompt
+    token but the first (serving engine only). n: samples of one prompt (serving engine only; sample
+    i draws from its own generator seeded with seed + i, so it equals `generate` with that seed).
     """
 
     max_new_tokens: int = 64
@@ -148,10 +209,27 @@ class SamplingParams:
     top_p: float | None = None
     seed: int | None = None
     stop_token_ids: Sequence[int] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
+
+    MAX_LOGPROBS = 20  # the most alternatives per position (OpenAI's limit for top_logprobs)
 
     def validate(self) -> None:
         """Raise ValueError (one line) for a setting outside its range."""
         check_sampling_args(self.temperature, self.top_k, self.top_p, self.max_new_tokens)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Integral)
+                or not 0 <= value <= self.MAX_LOGPROBS
+            ):
+                raise ValueError(
+                    f"{name} must be an integer in [0, {self.MAX_LOGPROBS}] or None, got {value!r}"
+                )
+        if isinstance(self.n, bool) or not isinstance(self.n, numbers.Integral) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
         ):
@@ -345,6 +423,7 @@ def generate(
     stop_token_ids: Sequence[int] | None = None,
     return_logits: bool = False,
     params: SamplingParams | None = None,
+    return_logprobs: bool = False,
 ):
     """Generate up to max_new_tokens new tokens per prompt (see the module docstring for shapes).
 
@@ -352,8 +431,11 @@ def generate(
     the naive loop. stop_token_ids=None stops at the config's EOS ids; pass [] to always generate
     max_new_tokens. With return_logits=True returns (tokens, logits) where each row's logits are
     Float[n_new, V], the distribution each new token was sampled from (before temperature and
-    filtering).
+    filtering). With return_logprobs=True returns (tokens, logprobs): per row a list of
+    TokenLogprobs, one per new token, with params.logprobs (or 0) alternatives (`sampled_logprobs`).
     """
+    if return_logits and return_logprobs:
+        raise ValueError("ask for return_logits or return_logprobs, not both")
     params = sampling_params(
         params, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         stop_token_ids=stop_token_ids,
@@ -368,10 +450,15 @@ def generate(
     stops = stops.to(device)
     tokens = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
     all_logits = None
+    all_logprobs: list[list[TokenLogprobs]] = [[] for _ in range(B)]
     lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     for t, (token, logits) in enumerate(steps):
         tokens[:, t] = token
+        if return_logprobs:
+            lp = sampled_logprobs(logits, params.temperature, params.top_k, params.top_p)
+            for row, entry in zip(all_logprobs, token_logprobs(lp, token, params.logprobs or 0), strict=True):
+                row.append(entry)
         if return_logits:
             if all_logits is None:
                 all_logits = logits.new_empty(B, max_new_tokens, logits.shape[-1])
@@ -383,10 +470,14 @@ def generate(
             if bool(finished.all()):
                 break
     out = [tokens[b, : int(lengths[b])] for b in range(B)]
-    out_logits = [all_logits[b, : int(lengths[b])] for b in range(B)] if return_logits else None
+    extra = None
+    if return_logits:
+        extra = [all_logits[b, : int(lengths[b])] for b in range(B)]
+    elif return_logprobs:
+        extra = [all_logprobs[b][: int(lengths[b])] for b in range(B)]
     if single:
-        return (out[0], out_logits[0]) if return_logits else out[0]
-    return (out, out_logits) if return_logits else out
+        return out[0] if extra is None else (out[0], extra[0])
+    return out if extra is None else (out, extra)
 
 
 def naive_generate(model, prompt_ids: Prompt, max_new_tokens: int = 64, **kwargs):

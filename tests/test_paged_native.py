@@ -167,10 +167,10 @@ def recorded_logits(model, prompts, max_new: int) -> dict[int, list[torch.Tensor
     ids = {engine.add_request(p, SamplingParams(max_new_tokens=max_new, stop_token_ids=())): i for i, p in enumerate(prompts)}  # fmt: skip
     sample = engine._sample
 
-    def recording(logits, seqs, rows):
-        for seq, row in zip(seqs, rows, strict=True):
+    def recording(logits, picks):
+        for seq, row in picks:
             seen.setdefault(ids[seq.request_id], []).append(logits[row].clone())
-        return sample(logits, seqs, rows)
+        return sample(logits, picks)
 
     engine._sample = recording
     while engine.has_unfinished():

@@ -39,9 +39,9 @@ class Server:
         self.aborted: list[str] = []
         abort = engine.abort
 
-        def counting_abort(rid):  # runs on the engine's thread; lets the test see aborts happen
+        def counting_abort(rid, index=None):  # runs on the engine's thread; lets the test see aborts happen
             self.aborted.append(rid)
-            return abort(rid)
+            return abort(rid, index)
 
         engine.abort = counting_abort
         self.app = create_app(engine, tokenizer, MODEL, **app_options)

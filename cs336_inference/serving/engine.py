@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..sampling import SamplingParams, sample_next_token
+from ..sampling import SamplingParams, TokenLogprobs, sample_next_token, sampled_logprobs, token_logprobs
 from .block_manager import BlockManager
 from .paged_attention import PagedBatch, PagedKVCache
 from .request import Request, RequestOutput
@@ -131,22 +131,35 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.requests or request_id in self.finished:
             raise ValueError(f"request id {request_id!r} is already in use")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(int(params.seed))
-        seq = Request(request_id, ids, P, params, time.perf_counter(), next(self._order), generator)
+        seq = Request(
+            request_id, ids, P, params, time.perf_counter(), next(self._order), self._generator(params, 0)
+        )
+        seq.group.append(seq)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * P
         self.requests[request_id] = seq
         self.scheduler.waiting.append(seq)
         return request_id
 
-    def abort(self, request_id: str) -> None:
-        """Drop a live request (e.g. its client disconnected) and free its blocks; unknown or
-        finished ids are ignored. The next step reports it with finish_reason "abort"."""
-        seq = self.requests.get(request_id)
-        if seq is None:
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """Sample `index`'s own random stream: seeded with seed + index (None: the global RNG)."""
+        if params.seed is None:
+            return None
+        return torch.Generator(device=self.device).manual_seed(int(params.seed) + index)
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Drop a live request (e.g. its client disconnected), or only its sample `index`, and free
+        the blocks; unknown or finished ids are ignored. The next step reports each sample dropped
+        with finish_reason "abort"."""
+        head = self.requests.get(request_id)
+        if head is None:
             return
-        self._finish(seq, "abort")
-        self._pending.append(RequestOutput(request_id, [], True, "abort"))
+        for seq in list(head.group):
+            if seq.finish_reason is None and index in (None, seq.index):
+                self._finish(seq, "abort")
+                self._pending.append(RequestOutput(request_id, [], True, "abort", seq.index))
+        if index is None or index == 0:  # samples not forked yet never will be
+            self._retire(head, aborted=True)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._pending)
@@ -155,8 +168,18 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         self.scheduler.remove(seq)
-        del self.requests[seq.request_id]
-        self.finished[seq.request_id] = seq
+        self._retire(seq.group[0])
+
+    def _retire(self, head: Request, aborted: bool = False) -> None:
+        """A request leaves the live ones when all n of its samples (or all forked so far, after an
+        abort) are finished."""
+        group = head.group
+        if head.request_id not in self.requests or any(s.finish_reason is None for s in group):
+            return
+        if len(group) < head.params.n and not aborted:
+            return
+        del self.requests[head.request_id]
+        self.finished[head.request_id] = head
         while len(self.finished) > self.keep_finished:
             del self.finished[next(iter(self.finished))]
 
@@ -171,18 +194,30 @@ class LLMEngine:
         self.num_steps += 1
         self.peak_used_blocks = max(self.peak_used_blocks, self.blocks.num_blocks - self.blocks.num_free)
         spans = [(seq.table.blocks, seq.num_computed, n) for seq, n in scheduled]
-        batch = PagedBatch(self.cache, spans, self.device)
+        # prompt log-probabilities need the logits of every prompt row, not only the last
+        every = [
+            seq.prompt_logprobs is not None
+            and not seq.prompt_logprobs_sent
+            and seq.num_computed < seq.num_prompt
+            for seq, _ in scheduled
+        ]
+        batch = PagedBatch(self.cache, spans, self.device, every)
         ids = [t for seq, n in scheduled for t in seq.token_ids[seq.num_computed : seq.num_computed + n]]
         logits = self.model.forward_paged(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
         self.computed_tokens += len(ids)
-        for seq, n in scheduled:
+        picks: list[tuple[Request, int]] = []  # (sequence to sample, its row of logits)
+        row = 0
+        for (seq, n), all_rows in zip(scheduled, every, strict=True):
+            if all_rows:
+                self._prompt_logprobs(seq, logits[row : row + n], seq.num_computed)
+            row += n if all_rows else 1
             seq.num_computed += n
             self.blocks.register_full_blocks(seq.table, seq.token_ids, seq.num_computed)
-        rows = [i for i, (seq, _) in enumerate(scheduled) if seq.remaining == 0]  # the rest: prompt chunks
-        tokens = self._sample(logits, [scheduled[i][0] for i in rows], rows)
+            if seq.remaining == 0:  # the rest: prompt chunks
+                picks += [(s, row - 1) for s in self._fork(seq)]
+        tokens, logprobs = self._sample(logits, picks)
         now = time.perf_counter()
-        for i, token in zip(rows, tokens, strict=True):
-            seq = scheduled[i][0]
+        for (seq, _), token, lp in zip(picks, tokens, logprobs, strict=True):
             p = seq.params
             seq.token_ids.append(token)
             self.generated_tokens += 1
@@ -193,10 +228,46 @@ class LLMEngine:
                 reason = "stop"
             elif seq.num_output >= p.max_new_tokens:
                 reason = "length"
+            prompt_lps = None
+            if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+                prompt_lps, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
             if reason is not None:
                 self._finish(seq, reason)
-            outputs.append(RequestOutput(seq.request_id, [token], reason is not None, reason))
+            outputs.append(
+                RequestOutput(
+                    seq.request_id, [token], reason is not None, reason, seq.index,
+                    None if lp is None else [lp], prompt_lps,
+                )
+            )  # fmt: skip
         return outputs
+
+    def _prompt_logprobs(self, seq: Request, logits: Tensor, start: int) -> None:
+        """Row r of a prefill chunk starting at step `start` predicts prompt token start + r + 1: its
+        log-probability under the model's own distribution (log-softmax of the raw logits; prompt
+        tokens were not sampled) and the params.prompt_logprobs most likely tokens."""
+        positions = range(start + 1, min(start + 1 + logits.shape[0], seq.num_prompt))
+        if not positions:
+            return
+        lp = sampled_logprobs(logits[: len(positions)])  # temperature 0: the raw distribution
+        targets = torch.tensor([seq.token_ids[i] for i in positions], device=lp.device)
+        for i, entry in zip(positions, token_logprobs(lp, targets, seq.params.prompt_logprobs), strict=True):
+            seq.prompt_logprobs[i] = entry
+
+    def _fork(self, seq: Request) -> list[Request]:
+        """The samples to draw now for seq: itself, and when sample 0 of an n > 1 request draws its
+        first token, n - 1 new samples sharing its blocks (copy-on-write) and its prompt."""
+        n = seq.params.n
+        if seq.index != 0 or len(seq.group) == n:
+            return [seq]
+        for i in range(1, n):
+            child = Request(
+                seq.request_id, list(seq.token_ids), seq.num_prompt, seq.params, seq.arrival, seq.order,
+                self._generator(seq.params, i), self.blocks.fork(seq.table), seq.num_computed,
+                index=i, group=seq.group,
+            )  # fmt: skip
+            seq.group.append(child)
+            self.scheduler.running.append(child)
+        return list(seq.group)
 
     def _schedule(self) -> list[tuple[Request, int]]:
         sched = self.scheduler
@@ -208,26 +279,41 @@ class LLMEngine:
         finally:
             sched.waiting.extend(held)  # after any sequence this step preempted (at the front)
 
-    def _sample(self, logits: Tensor, seqs: list[Request], rows: list[int]) -> list[int]:
+    def _sample(
+        self, logits: Tensor, picks: list[tuple[Request, int]]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Next token of each sequence from its row of logits: greedy rows in one argmax, sampled rows
-        one by one with their own parameters and generator (so a seed draws as in `generate`)."""
-        tokens: list[int | None] = [None] * len(seqs)
-        greedy = [j for j, seq in enumerate(seqs) if seq.params.temperature == 0.0]
+        one by one with their own parameters and generator (so a seed draws as in `generate`); and,
+        where params.logprobs is set, the token's log-probability (`sampled_logprobs`)."""
+        tokens: list[int | None] = [None] * len(picks)
+        greedy = [j for j, (seq, _) in enumerate(picks) if seq.params.temperature == 0.0]
         if greedy:
-            picked = logits[[rows[j] for j in greedy]].argmax(dim=-1).tolist()
+            picked = logits[[picks[j][1] for j in greedy]].argmax(dim=-1).tolist()
             for j, token in zip(greedy, picked, strict=True):
                 tokens[j] = token
-        for j, seq in enumerate(seqs):
+        logprobs: list[TokenLogprobs | None] = [None] * len(picks)
+        for j, (seq, r) in enumerate(picks):
+            p = seq.params
+            row = logits[r : r + 1]
             if tokens[j] is None:
-                p = seq.params
-                row = logits[rows[j] : rows[j] + 1]
                 tokens[j] = int(sample_next_token(row, p.temperature, p.top_k, p.top_p, seq.generator)[0])
-        return tokens
+            if p.logprobs is not None:
+                lp = sampled_logprobs(row, p.temperature, p.top_k, p.top_p)
+                logprobs[j] = token_logprobs(lp, torch.tensor([tokens[j]], device=lp.device), p.logprobs)[0]
+        return tokens, logprobs
 
     def generate(
         self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[list[int]]:
-        """Run the prompts (lists of ids or 1-D tensors) to completion; new token ids per prompt."""
+        """Run the prompts (lists of ids or 1-D tensors) to completion; new token ids per prompt
+        (of its sample 0; `run` gives every sample and the log-probabilities)."""
+        return [r[0].new_token_ids for r in self.run(prompts, params)]
+
+    def run(
+        self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[list[RequestOutput]]:
+        """Run the prompts to completion; per prompt, one RequestOutput per sample (index order)
+        holding all of that sample's new tokens (and log-probabilities, if asked for)."""
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -235,29 +321,42 @@ class LLMEngine:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        out: dict[str, list[int]] = {rid: [] for rid in ids}
-        left = set(ids)
+        out = {
+            rid: [RequestOutput(rid, [], False, None, i) for i in range(self.requests[rid].params.n)]
+            for rid in ids
+        }
+        left = {(rid, i) for rid in ids for i in range(len(out[rid]))}
         while left:
             if not self.has_unfinished():
-                raise RuntimeError(f"engine idle with {len(left)} of its requests unfinished")
+                raise RuntimeError(f"engine idle with {len(left)} of its samples unfinished")
             for o in self.step():
-                if o.request_id in out:
-                    out[o.request_id].extend(o.new_token_ids)
-                    if o.finished:
-                        left.discard(o.request_id)
+                if o.request_id not in out:
+                    continue
+                r = out[o.request_id][o.index]
+                r.new_token_ids.extend(o.new_token_ids)
+                if o.logprobs is not None:
+                    r.logprobs = (r.logprobs or []) + o.logprobs
+                if o.prompt_logprobs is not None:
+                    r.prompt_logprobs = o.prompt_logprobs
+                if o.finished:
+                    r.finished, r.finish_reason = True, o.finish_reason
+                    left.discard((o.request_id, o.index))
         return [out[rid] for rid in ids]
 
     # ------------------------------------------------------------------ metrics
-    def request_metrics(self, request_id: str) -> dict:
-        """Times (time.perf_counter seconds) and lengths of one request, live or among the latest
-        `keep_finished` finished ones.
+    def request_metrics(self, request_id: str, index: int = 0) -> dict:
+        """Times (time.perf_counter seconds) and lengths of one request (its sample `index`), live or
+        among the latest `keep_finished` finished ones.
 
         ttft = first token - arrival; tpot = (finish - first token) / (outputs - 1), the time per
         output token after the first; e2e = finish - arrival (None until known).
         """
-        seq = self.requests.get(request_id) or self.finished.get(request_id)
-        if seq is None:
+        head = self.requests.get(request_id) or self.finished.get(request_id)
+        if head is None:
             raise KeyError(f"unknown request id {request_id!r}")
+        if not 0 <= index < len(head.group):
+            raise KeyError(f"request {request_id!r} has no sample {index}")
+        seq = head.group[index]
         first, end = seq.first_token_time, seq.finish_time
         n = seq.num_output
         return dict(

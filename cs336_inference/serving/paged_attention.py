@@ -13,7 +13,7 @@ latents and [num_blocks, B_s, p] rotary keys), addressed by flat slots.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -164,9 +164,17 @@ class PagedBatch:
     padding masked out); sequences with a chunk of prompt attend one by one.
     """
 
-    def __init__(self, cache: PagedKVCache, spans: list[tuple[list[int], int, int]], device):
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        spans: list[tuple[list[int], int, int]],
+        device,
+        all_logits: Sequence[bool] | None = None,
+    ):
         """spans: (block table, start, n) per sequence, in row order.
 
+        logit_rows: the rows whose logits the forward returns, in row order: each sequence's last
+        token, or all n of its tokens where all_logits[i] (prompt log-probabilities).
         The index tensors are built on the CPU and moved to `device` once (no per-sequence transfers).
         """
         self.cache = cache
@@ -182,7 +190,12 @@ class PagedBatch:
         self.max_position = int(positions.max())
         self.positions: Int[Tensor, " T"] = positions.to(device)
         self.slots: Int[Tensor, " T"] = torch.cat(slots).to(device)
-        self.last = torch.tensor([s.offset + s.n - 1 for s in self.spans]).to(device)
+        every = all_logits or [False] * len(self.spans)
+        rows = [
+            list(range(s.offset, s.offset + s.n)) if a else [s.offset + s.n - 1]
+            for s, a in zip(self.spans, every, strict=True)
+        ]
+        self.logit_rows = torch.tensor([r for span_rows in rows for r in span_rows]).to(device)
         # the one-token spans (decoding), batched: their row index, padded block tables and lengths
         single = [s for s in self.spans if s.n == 1]
         self.single_idx = torch.tensor([s.offset for s in single], dtype=torch.long).to(device)

@@ -7,16 +7,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, TokenLogprobs
 from .block_manager import BlockTable
 
 
 @dataclass
 class RequestOutput:
     request_id: str
-    new_token_ids: list[int]  # tokens produced for this request in this step
-    finished: bool
+    new_token_ids: list[int]  # tokens produced for this sample of the request in this step
+    finished: bool  # this sample is finished
     finish_reason: str | None  # "stop" | "length" | "abort" | None
+    index: int = 0  # which of the request's n samples
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, if params.logprobs is set
+    # with the first token of sample 0, if params.prompt_logprobs is set: one per prompt token,
+    # None for the first (nothing predicts it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(eq=False)  # identity: two requests are never "equal"
@@ -27,6 +32,9 @@ class Request:
     decoding (the newest token's K/V is computed in the next step), more while the prompt is being
     prefilled. The step that computes a sequence's last token samples its next one. After
     preemption num_computed = 0: prompt and output so far are recomputed together.
+
+    n > 1 samples: sample 0 prefills the prompt; when its first token is due, samples 1..n-1 are
+    forked from it (its blocks shared, copy-on-write) and every sample draws from the same logits.
     """
 
     request_id: str
@@ -42,6 +50,10 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     preemptions: int = 0
+    index: int = 0  # which of the request's params.n samples (0: the one that prefills the prompt)
+    group: list[Request] = field(default_factory=list)  # all samples so far, shared by them (index order)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # filled while prefilling, if asked for
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_output(self) -> int:

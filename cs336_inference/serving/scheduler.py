@@ -51,7 +51,11 @@ class Scheduler:
 
     def match_prefix(self, seq: Request) -> None:
         """Start a waiting sequence from the prefix cache: its cached full blocks count as computed
-        (all but the last token: its logits are needed, so it is recomputed, copy-on-write)."""
+        (all but the last token: its logits are needed, so it is recomputed, copy-on-write). A
+        request that wants its prompt's log-probabilities needs the logits of every prompt token, so
+        it starts from nothing."""
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            return
         matched = self.blocks.match_prefix(seq.table, seq.token_ids)
         seq.num_computed = min(matched * self.blocks.block_size, len(seq.token_ids) - 1)
 

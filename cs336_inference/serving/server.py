@@ -5,16 +5,30 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true for
 server-sent events, one `data: {chunk}` per new piece of text and `data: [DONE]` at the end),
-GET /v1/models, GET /health, GET /metrics (Prometheus' text format). With an API key every endpoint
-but /health needs `Authorization: Bearer <key>` (else 401); a body over 1 MiB is a 413. "stop": up to 4 strings; the reply ends before the first one that
-appears in its text (finish_reason "stop"), and a stream holds back text that could begin one.
-Extensions to OpenAI's parameters, as vLLM names them: "top_k", and
-"ignore_eos" (true: the reply runs to max_tokens, the model's EOS ids included; for benchmarks). Bad requests get a 4xx JSON body in OpenAI's error shape
+GET /v1/models, GET /health, GET /metrics (Prometheus' text format), and vLLM's tokenizer endpoints
+POST /tokenize, POST /detokenize, GET /tokenizer_info (what lm-eval's remote tokenizer reads).
+With an API key every endpoint but /health needs `Authorization: Bearer <key>` (else 401); a body
+over 1 MiB is a 413.
+
+Parameters beyond the basic ones:
+    "stop"          up to 4 strings; a reply ends before the first one in its text (finish_reason
+                    "stop"), and a stream holds back text that could begin one
+    "n"             samples per prompt (the prompt is prefilled once, its blocks shared copy-on-write);
+                    with a seed, sample i draws with seed + i; choice index = prompt index * n + i
+    "prompt"        (completions) a string, a list of token ids, or a list of either (a batch)
+    "logprobs"      completions: N alternatives per token; chat: true, with "top_logprobs": N
+                    (N <= 20). Values are those of the distribution sampled from (sampling.py's
+                    sampled_logprobs; greedy: the model's own). The stop token is not listed.
+    "echo"          (completions) the prompt comes first in the text; with logprobs, its tokens'
+                    log-probabilities too (the first null); "max_tokens": 0 scores a text only
+Extensions, as vLLM names them: "top_k", and "ignore_eos" (true: the reply runs to max_tokens, the
+model's EOS ids included; for benchmarks). Bad requests get a 4xx JSON body in OpenAI's error shape
 {"error": {"message", "type", "param", "code"}}; the server keeps serving.
 
 Threads: the engine is not thread-safe, so one background thread owns it. It drains a command
-queue (add a request, abort one), runs `engine.step()` while anything is unfinished, and hands each
-request's new tokens to that request's asyncio queue on the event loop (call_soon_threadsafe).
+queue (add a request, abort one or one of its samples), runs `engine.step()` while anything is
+unfinished, and hands each request's outputs to its HTTP call's asyncio queue on the event loop
+(call_soon_threadsafe).
 HTTP handlers never touch the engine: they send commands and await their queue. A client that
 disconnects (or a stream that is cancelled) aborts its request, which frees its KV blocks.
 """
@@ -39,10 +53,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from cs336_inference.io.detokenize import Detokenizer, check_stop_strings
+from cs336_inference.io.detokenize import check_stop_strings
 from cs336_inference.serving import SamplingParams
+from cs336_inference.serving.choices import (
+    TextStream,
+    TokenStrings,
+    chat_logprobs,
+    completion_logprobs,
+    text_offsets,
+)
 
-DONE = object()  # put on a request's queue when the engine will send nothing more for it
+DONE = object()  # put on every request's queue when the engine thread fails
 MAX_BODY_BYTES = 1 << 20  # a request body past this is a 413 (a prompt of a million characters)
 
 
@@ -65,7 +86,8 @@ class EngineLoop:
     def __init__(self, engine):
         self.engine = engine
         self.commands: queue.Queue = queue.Queue()
-        self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (event loop, queue its outputs go to, samples not finished yet)
+        self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -79,20 +101,19 @@ class EngineLoop:
         self._thread.join(timeout=10)
 
     # called from the event loop ------------------------------------------------------------
-    async def add(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
-        """Queue a request; returns (request id, the queue its RequestOutputs arrive on).
+    async def add(self, prompt_ids: list[int], params: SamplingParams, out: asyncio.Queue) -> str:
+        """Queue a request; returns its id. Its RequestOutputs (of all its n samples) arrive on `out`.
         Raises ValueError when the engine refuses it (too long, bad parameters)."""
         if self.error is not None:
             raise RuntimeError(f"the engine thread died: {self.error!r}")
         loop = asyncio.get_running_loop()
         future: concurrent.futures.Future = concurrent.futures.Future()
-        out: asyncio.Queue = asyncio.Queue()
         self.commands.put(("add", prompt_ids, params, loop, out, future))
-        rid = await asyncio.wrap_future(future)
-        return rid, out
+        return await asyncio.wrap_future(future)
 
-    def abort(self, request_id: str) -> None:
-        self.commands.put(("abort", request_id))
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Drop a request, or only its sample `index`."""
+        self.commands.put(("abort", request_id, index))
 
     def call(self, fn) -> concurrent.futures.Future:
         """Run fn(engine) on the engine's thread between steps (e.g. to read engine.stats())."""
@@ -110,12 +131,17 @@ class EngineLoop:
             except Exception as e:  # the engine's ValueError for a bad request travels back
                 future.set_exception(e)
                 return
-            self.streams[rid] = (loop, out)
+            self.streams[rid] = (loop, out, params.n)
             future.set_result(rid)
         elif kind == "abort":
-            rid = command[1]
-            if self.streams.pop(rid, None) is not None:
+            _, rid, index = command
+            if rid not in self.streams:
+                return
+            if index is None:
+                del self.streams[rid]
                 self.engine.abort(rid)
+            else:
+                self.engine.abort(rid, index)  # the "abort" output it causes is counted below
         elif kind == "call":
             _, fn, future = command
             try:
@@ -140,27 +166,40 @@ class EngineLoop:
                     target = self.streams.get(out.request_id)
                     if target is None:  # aborted meanwhile
                         continue
-                    loop, q = target
+                    loop, q, left = target
                     loop.call_soon_threadsafe(q.put_nowait, out)
                     if out.finished:
-                        del self.streams[out.request_id]
-                        loop.call_soon_threadsafe(q.put_nowait, DONE)
+                        if left == 1:
+                            del self.streams[out.request_id]
+                        else:
+                            self.streams[out.request_id] = (loop, q, left - 1)
         except BaseException as e:  # a bug in the engine: fail every waiting request, loudly
             self.error = e
-            for loop, q in self.streams.values():
+            for loop, q, _ in self.streams.values():
                 loop.call_soon_threadsafe(q.put_nowait, DONE)
             self.streams.clear()
             raise
 
 
 # ------------------------------------------------------------------ request parsing
+MAX_CHOICES = 64  # prompts x n in one request
+
+
 @dataclass
 class Parsed:
-    prompt_ids: list[int]
+    prompts: list[list[int]]  # one or more (completions take a batch of prompts)
     params: SamplingParams
     stream: bool
     include_usage: bool
     stop_strings: tuple[str, ...] = ()
+    prompt_texts: list[str] | None = None  # the prompts as text, for echo
+    echo: bool = False
+    max_tokens: int = 16  # 0: echo only (the prompt scored, nothing generated)
+    logprobs: int | None = None  # alternatives per token, if log-probabilities were asked for
+
+    @property
+    def n(self) -> int:
+        return self.params.n
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
@@ -173,6 +212,15 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
         raise APIError(400, f"'{name}' must be {kind}, got {value!r}", param=name)
     if not lo <= value <= hi:
         raise APIError(400, f"'{name}' must be in [{lo:g}, {hi:g}], got {value!r}", param=name)
+    return value
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise APIError(400, f"'{name}' must be true or false, got {value!r}", param=name)
     return value
 
 
@@ -192,20 +240,26 @@ class RequestParser:
                 404, f"the model {model!r} does not exist; this server has {self.model_name!r}", "model",
                 "model_not_found",
             )  # fmt: skip
-        if body.get("n") not in (None, 1):
-            raise APIError(400, "only n = 1 is supported", param="n")
         try:
             stop_strings = check_stop_strings(body.get("stop") or None)
         except ValueError as e:
             raise APIError(400, str(e), param="stop") from None
-        prompt_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
-        P = len(prompt_ids)
+        if chat:
+            prompts, texts = [self._chat_prompt(body)], None
+        else:
+            prompts, texts = self._completion_prompts(body)
+        n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)
+        if n * len(prompts) > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x n = {n} is over {MAX_CHOICES} choices", param="n")
+        echo = False if chat else _flag(body, "echo")
+        logprobs = self._logprobs(body, chat)
+        P = max(len(p) for p in prompts)
         window = min(self.max_seq_len, self.capacity)
         names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
         name = next((n for n in names if body.get(n) is not None), names[-1])
         default = max(window - P, 1) if chat else 16  # OpenAI's defaults: the rest of the context / 16
-        max_tokens = _number(body, name, default, 1, 1 << 30, integer=True)
-        if P + max_tokens > window:
+        max_tokens = _number(body, name, default, 0 if echo else 1, 1 << 30, integer=True)
+        if P + max(max_tokens, 1) > window:
             raise APIError(
                 400,
                 f"this model's context holds {window} tokens; the prompt has {P} and {name} asks for "
@@ -217,42 +271,69 @@ class RequestParser:
         if top_p == 0.0:
             raise APIError(400, "'top_p' must be > 0", param="top_p")
         top_k = _number(body, "top_k", None, 1, 1 << 30, integer=True)  # an extension, like vLLM's
-        seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise APIError(400, f"'stream' must be true or false, got {stream!r}", param="stream")
-        ignore_eos = body.get("ignore_eos", False)  # an extension, like vLLM's: exactly max_tokens tokens
-        if not isinstance(ignore_eos, bool):
-            raise APIError(400, f"'ignore_eos' must be true or false, got {ignore_eos!r}", param="ignore_eos")
+        seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1 - MAX_CHOICES, integer=True)
+        stream = _flag(body, "stream")
+        ignore_eos = _flag(body, "ignore_eos")  # an extension, like vLLM's: exactly max_tokens tokens
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise APIError(400, "'stream_options' must be an object", param="stream_options")
         params = SamplingParams(
-            max_new_tokens=int(max_tokens),
+            max_new_tokens=max(int(max_tokens), 1),  # echo only: one token is drawn and not returned
             temperature=float(temperature),
             top_k=top_k,
             top_p=None if top_p >= 1.0 else float(top_p),
             seed=seed,
             stop_token_ids=() if ignore_eos else tuple(self.stop_ids),
+            logprobs=logprobs,
+            prompt_logprobs=logprobs if echo else None,
+            n=n,
         )
-        return Parsed(prompt_ids, params, stream, bool(options.get("include_usage", False)), stop_strings)
+        return Parsed(
+            prompts, params, stream, bool(options.get("include_usage", False)), stop_strings, texts, echo,
+            int(max_tokens), logprobs,
+        )  # fmt: skip
 
-    def _completion_prompt(self, body: dict) -> list[int]:
+    def _logprobs(self, body: dict, chat: bool) -> int | None:
+        """Alternatives per token, or None: completions' "logprobs": N, chat's "logprobs": true with
+        "top_logprobs": N."""
+        top = SamplingParams.MAX_LOGPROBS
+        if not chat:
+            return _number(body, "logprobs", None, 0, top, integer=True)
+        if not _flag(body, "logprobs"):
+            if body.get("top_logprobs") is not None:
+                raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+            return None
+        return _number(body, "top_logprobs", 0, 0, top, integer=True)
+
+    def _completion_prompts(self, body: dict) -> tuple[list[list[int]], list[str]]:
+        """The prompts (a string, a list of ids, or a list of either) as ids, and as text."""
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-            V = self.tokenizer.vocab_size
-            if any(not 0 <= t < V for t in ids):
-                raise APIError(400, f"prompt token ids must be in [0, {V})", param="prompt")
-        else:
-            raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt)", "prompt")
-        if not ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        return ids
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_ids(prompt)):
+            prompt = [prompt]
+        if not isinstance(prompt, list) or not prompt:
+            raise APIError(
+                400, "'prompt' must be a string, a list of token ids, or a list of either", "prompt"
+            )
+        if len(prompt) > MAX_CHOICES:
+            raise APIError(400, f"at most {MAX_CHOICES} prompts, got {len(prompt)}", "prompt")
+        ids, texts = [], []
+        V = self.tokenizer.vocab_size
+        for p in prompt:
+            if isinstance(p, str):
+                one, text = self.tokenizer.encode(p), p
+            elif isinstance(p, list) and _is_ids(p):
+                if any(not 0 <= t < V for t in p):
+                    raise APIError(400, f"prompt token ids must be in [0, {V})", param="prompt")
+                one, text = list(p), self.tokenizer.decode(p)
+            else:
+                raise APIError(
+                    400, "'prompt' must be a string, a list of token ids, or a list of either", "prompt"
+                )
+            if not one:
+                raise APIError(400, "the prompt is empty", param="prompt")
+            ids.append(one)
+            texts.append(text)
+        return ids, texts
 
     def _chat_prompt(self, body: dict) -> list[int]:
         messages = body.get("messages")
@@ -278,40 +359,8 @@ class RequestParser:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
 
-# ------------------------------------------------------------------ detokenizing a stream
-class TextStream:
-    """A reply's token ids in, text deltas out (io/detokenize.py's Detokenizer: half characters and
-    what could begin a stop string held back). The deltas concatenate to the final text, which leaves
-    out the stop token that ended the reply, and ends before a stop string that did."""
-
-    def __init__(self, tokenizer, stop_ids: list[int], stop_strings: tuple[str, ...] = ()):
-        self.stop_ids = set(stop_ids)
-        self.detok = Detokenizer(tokenizer, stop_strings)
-        self.finish_reason: str | None = None
-        self.eos = 0
-        self.start, self.first, self.end = time.perf_counter(), None, None  # for /metrics
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.detok.ids) + self.eos
-
-    def push(self, new_ids: list[int], finished: bool, finish_reason: str | None) -> str:
-        if new_ids and self.first is None:
-            self.first = time.perf_counter()
-        eos = finished and finish_reason == "stop" and bool(new_ids) and new_ids[-1] in self.stop_ids
-        delta = self.detok.push(new_ids[:-1] if eos else new_ids, finished)
-        if eos:
-            self.eos = 1  # the stop token: counted in the usage, not decoded
-        if self.detok.stopped:
-            self.finish_reason = "stop"
-        elif finished:
-            self.finish_reason = finish_reason or "length"
-        if self.finish_reason is not None:
-            self.end = time.perf_counter()
-        return delta
-
-    def text(self) -> str:
-        return self.detok.text
+def _is_ids(x: list) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
 # ------------------------------------------------------------------ /metrics
@@ -437,6 +486,41 @@ def create_app(
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "cs336-inference"}
         return {"object": "list", "data": [card]}
 
+    # the tokenizer endpoints (as vLLM names them): evaluation harnesses count tokens through them
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return {
+            "tokenizer_class": "cs336_inference.io.tokenizer.Tokenizer",
+            "eos_token": tokenizer.eos_token,
+            "bos_token": tokenizer.bos_token,
+            "pad_token": None,
+            "chat_template": tokenizer.chat_template,
+            "model_max_length": min(cfg.max_seq_len, capacity),
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await read_body(request)
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        special = _flag(body, "add_special_tokens")
+        if "messages" in body:
+            ids = parse._chat_prompt(body)
+        elif isinstance(body.get("prompt"), str):
+            ids = tokenizer.encode(body["prompt"], add_special_tokens=special)
+        else:
+            raise APIError(400, "'prompt' must be a string (or give 'messages')", param="prompt")
+        return {"count": len(ids), "max_model_len": min(cfg.max_seq_len, capacity), "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await read_body(request)
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        V = tokenizer.vocab_size
+        if not isinstance(ids, list) or not _is_ids(ids) or any(not 0 <= t < V for t in ids):
+            raise APIError(400, f"'tokens' must be a list of token ids in [0, {V})", param="tokens")
+        return {"prompt": tokenizer.decode(ids)}
+
     async def read_body(request: Request) -> Any:
         too_big = APIError(413, f"the request body is larger than {max_body_bytes} bytes")
         declared = request.headers.get("content-length", "")
@@ -454,18 +538,25 @@ def create_app(
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
-    async def start(parsed: Parsed) -> tuple[str, asyncio.Queue]:
+    strings = TokenStrings(tokenizer)
+
+    async def start(parsed: Parsed, out: asyncio.Queue) -> list[str]:
+        """Queue one engine request per prompt (each with n samples); their outputs go to `out`."""
+        rids: list[str] = []
         try:
-            return await runner.add(parsed.prompt_ids, parsed.params)
+            for prompt in parsed.prompts:
+                rids.append(await runner.add(prompt, parsed.params, out))
         except ValueError as e:
+            for rid in rids:
+                runner.abort(rid)
             raise APIError(400, str(e)) from None
         except RuntimeError as e:
             raise APIError(503, str(e)) from None
+        return rids
 
-    async def outputs(request: Request, rid: str, out: asyncio.Queue) -> AsyncIterator:
-        """The request's RequestOutputs until it finishes; aborts it if the client goes away
-        (or if whoever iterates stops early / is cancelled)."""
-        finished = False
+    async def outputs(request: Request, rids: list[str], out: asyncio.Queue) -> AsyncIterator:
+        """The requests' RequestOutputs as they come; on leaving (every choice done, the client gone,
+        the stream cancelled) whatever is still running is aborted."""
         try:
             while True:
                 try:
@@ -475,72 +566,156 @@ def create_app(
                         return
                     continue
                 if item is DONE:
-                    finished = True
-                    if runner.error is not None:
-                        raise APIError(500, f"the engine failed: {runner.error!r}")
-                    return
+                    raise APIError(500, f"the engine failed: {runner.error!r}")
                 yield item
         finally:
-            if not finished:
-                runner.abort(rid)
+            for rid in rids:
+                runner.abort(rid)  # finished requests are ignored
 
-    def usage(parsed: Parsed, text: TextStream) -> dict:
-        P, n = len(parsed.prompt_ids), text.num_tokens
-        return {"prompt_tokens": P, "completion_tokens": n, "total_tokens": P + n}
+    @dataclass
+    class Reply:
+        """One choice: sample j of prompt i, choice index i * n + j."""
+
+        index: int
+        prompt: int
+        text: TextStream
+        started: bool = False  # a stream has sent its first chunk (the role; with echo, the prompt)
+        sent: int = 0  # tokens whose log-probabilities a stream has sent
 
     async def handle(request: Request, chat: bool):
         parsed = parse(await read_body(request), chat)
-        rid, out = await start(parsed)
+        out: asyncio.Queue = asyncio.Queue()
+        rids = await start(parsed, out)
+        n = parsed.n
+        replies = {
+            (rid, j): Reply(i * n + j, i, TextStream(tokenizer, parse.stop_ids, parsed.stop_strings))
+            for i, rid in enumerate(rids)
+            for j in range(n)
+        }
+        prompt_logprobs: list[list | None] = [None] * len(rids)
         kind = "chat.completion" if chat else "text_completion"
-        rid_public = ("chatcmpl-" if chat else "cmpl-") + rid
+        rid_public = ("chatcmpl-" if chat else "cmpl-") + rids[0]
         head = {"id": rid_public, "object": kind, "created": int(time.time()), "model": model_name}
-        text = TextStream(tokenizer, parse.stop_ids, parsed.stop_strings)
+
+        def receive(item) -> tuple[Reply, str] | None:
+            """Take one engine output; returns its reply and the new text (None: a late output of a
+            reply already finished by a stop string)."""
+            reply = replies[item.request_id, item.index]
+            if item.prompt_logprobs is not None:
+                prompt_logprobs[reply.prompt] = item.prompt_logprobs
+            if reply.text.finish_reason is not None:
+                return None
+            if parsed.max_tokens == 0:  # echo only: the token drawn is not part of the reply
+                return reply, reply.text.push([], True, "length")
+            delta = reply.text.push(item.new_token_ids, item.finished, item.finish_reason, item.logprobs)
+            if reply.text.finish_reason is not None and not item.finished:
+                runner.abort(item.request_id, item.index)  # a stop string ended this sample
+            return reply, delta
+
+        def observe() -> None:
+            for reply in replies.values():
+                prompt = len(parsed.prompts[reply.prompt]) if reply.index % n == 0 else 0
+                metrics.observe(prompt, reply.text)
+
+        def usage() -> dict:
+            P = sum(len(p) for p in parsed.prompts)
+            c = sum(r.text.num_tokens for r in replies.values()) if parsed.max_tokens else 0
+            return {"prompt_tokens": P, "completion_tokens": c, "total_tokens": P + c}
+
+        def echoed(reply: Reply) -> str:
+            return parsed.prompt_texts[reply.prompt] if parsed.echo else ""
+
+        def logprobs_of(reply: Reply, first: int, last: int, with_prompt: bool) -> dict | None:
+            """The logprobs object for the reply's tokens first..last-1 (and the prompt's, for echo)."""
+            if parsed.logprobs is None:
+                return None
+            entries, ids = reply.text.logprobs[first:last], reply.text.ids[first:last]
+            if chat:
+                return chat_logprobs(strings, entries)
+            start = len(echoed(reply))
+            offsets = text_offsets(strings, reply.text.ids[:last], start)[first:]
+            if with_prompt and parsed.echo:
+                prompt = parsed.prompts[reply.prompt]
+                entries = list(prompt_logprobs[reply.prompt] or [None] * len(prompt)) + entries
+                ids, offsets = prompt + ids, text_offsets(strings, prompt) + offsets
+            return completion_logprobs(strings, entries, ids, offsets)
 
         if not parsed.stream:
-            async for item in outputs(request, rid, out):
-                text.push(item.new_token_ids, item.finished, item.finish_reason)
-                if text.finish_reason is not None:
-                    break  # finished, or a stop string ended it: leaving `outputs` aborts the request
-            if text.finish_reason is None:  # the client went away
+            left = len(replies)
+            async for item in outputs(request, rids, out):
+                got = receive(item)
+                if got is not None and got[0].text.finish_reason is not None:
+                    left -= 1
+                    if left == 0:
+                        break
+            if left:  # the client went away
                 return JSONResponse(APIError(499, "client disconnected").body(), status_code=499)
-            metrics.observe(len(parsed.prompt_ids), text)
-            choice = {"index": 0, "finish_reason": text.finish_reason, "logprobs": None}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text.text()}
-            else:
-                choice["text"] = text.text()
-            return {**head, "choices": [choice], "usage": usage(parsed, text)}
+            observe()
+            choices = []
+            for reply in sorted(replies.values(), key=lambda r: r.index):
+                last = len(reply.text.logprobs)
+                choice = {
+                    "index": reply.index,
+                    "finish_reason": reply.text.finish_reason,
+                    "logprobs": logprobs_of(reply, 0, last, with_prompt=True),
+                }
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": reply.text.text()}
+                else:
+                    choice["text"] = echoed(reply) + reply.text.text()
+                choices.append(choice)
+            return {**head, "choices": choices, "usage": usage()}
 
         head["object"] = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: str | None, finish_reason: str | None, first: bool = False) -> str:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        def chunk(reply: Reply, delta: str | None, finish_reason: str | None, logprobs=None) -> str:
+            choice: dict[str, Any] = {
+                "index": reply.index,
+                "finish_reason": finish_reason,
+                "logprobs": logprobs,
+            }
             if chat:
-                choice["delta"] = ({"role": "assistant"} if first else {}) | (
+                choice["delta"] = ({"role": "assistant"} if not reply.started else {}) | (
                     {} if delta is None else {"content": delta}
                 )
             else:
                 choice["text"] = delta or ""
+            reply.started = True
             body = {**head, "choices": [choice]}
             if parsed.include_usage:
                 body["usage"] = None
             return f"data: {json.dumps(body)}\n\n"
 
+        def pending_logprobs(reply: Reply, with_prompt: bool):
+            last = len(reply.text.logprobs)
+            lp = logprobs_of(reply, reply.sent, last, with_prompt)
+            reply.sent = last
+            return lp
+
         async def events() -> AsyncIterator[str]:
             if chat:
-                yield chunk("", None, first=True)
-            async for item in outputs(request, rid, out):
-                delta = text.push(item.new_token_ids, item.finished, item.finish_reason)
+                for reply in replies.values():
+                    yield chunk(reply, "", None)
+            left = len(replies)
+            async for item in outputs(request, rids, out):
+                got = receive(item)
+                if got is None:
+                    continue
+                reply, delta = got
+                if not reply.started and parsed.echo:  # the prompt, with its log-probabilities
+                    yield chunk(reply, echoed(reply), None, logprobs_of(reply, 0, 0, with_prompt=True))
                 if delta:
-                    yield chunk(delta, None)
-                if text.finish_reason is not None:  # finished, or a stop string (the request is aborted)
-                    yield chunk(None, text.finish_reason)
-                    break
-            if text.finish_reason is None:
+                    yield chunk(reply, delta, None, pending_logprobs(reply, with_prompt=False))
+                if reply.text.finish_reason is not None:  # finished, or a stop string (then aborted)
+                    yield chunk(reply, None, reply.text.finish_reason, pending_logprobs(reply, False))
+                    left -= 1
+                    if left == 0:
+                        break
+            if left:
                 return  # aborted: the client is gone
-            metrics.observe(len(parsed.prompt_ids), text)
+            observe()
             if parsed.include_usage:
-                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(parsed, text)})}\n\n"
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage()})}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

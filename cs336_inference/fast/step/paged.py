@@ -66,7 +66,8 @@ class PagedLayers(NativeLayers):
 
 
 class PagedStep:
-    """logits of each sequence's last new token, [n, V], for one engine step (module docstring)."""
+    """logits of the rows batch.logit_rows (each sequence's last new token), [n, V], for one engine
+    step (module docstring)."""
 
     def __init__(self, model, cache):
         fuse_siblings(model)  # q/k/v and gate/up as one product each, as the native decode step
@@ -82,7 +83,7 @@ class PagedStep:
         x = model.embed(input_ids)
         positions = batch.positions
         x = self.layers(x, model.rope_cos[positions], model.rope_sin[positions], rows, tables)
-        return self.output(model.norm(x[batch.last]))
+        return self.output(model.norm(x[batch.logit_rows]))
 
 
 _steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # PagedKVCache -> PagedStep | None
