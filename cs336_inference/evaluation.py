@@ -111,6 +111,22 @@ def _window_logprobs(model: nn.Module, ids: Tensor, begin: int, end: int, first:
     return logits[first - 1 - begin :].float().log_softmax(dim=-1)
 
 
+def continuation_logprob(
+    model: nn.Module, context_ids: list[int], continuation_ids: list[int]
+) -> tuple[float, bool]:
+    """log p(continuation | context), summed over the continuation's tokens, and whether each of
+    them is the argmax of its position (greedy decoding would write it): what a multiple-choice
+    evaluation compares across choices (lm-eval's loglikelihood request), from one forward."""
+    if not context_ids or not continuation_ids:
+        raise ValueError("the context and the continuation each need at least one token")
+    ids = torch.tensor(context_ids + continuation_ids)
+    first = len(context_ids)
+    lp = _window_logprobs(model, ids, 0, len(ids), first)  # rows predict tokens first..end-1
+    targets = ids[first:].to(lp.device)
+    picked = lp.gather(-1, targets[:, None])[:, 0]
+    return float(picked.double().sum()), bool((lp.argmax(dim=-1) == targets).all())
+
+
 @dataclass
 class TextScores:
     nll_sum: float = 0.0

@@ -27,14 +27,17 @@ def server():
 
 
 def library(server, ids: list[int], max_tokens: int, top: int, **settings):
-    """generate's tokens and log-probabilities for one prompt, the server's stop ids."""
+    """generate's tokens and log-probabilities for one prompt, the server's stop ids. A stop token
+    that ends the reply is listed with its log-probability, though its text is not in the reply."""
     stops = sorted(set(server.tokenizer.eos_token_ids) | set(server.model.config.eos_token_ids))
     p = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=stops, logprobs=top, **settings)
     tokens, lps = generate(server.model, ids, params=p, return_logprobs=True)
-    tokens = tokens.tolist()
-    if tokens and tokens[-1] in stops:  # the stop token is not part of the reply
-        tokens, lps = tokens[:-1], lps[:-1]
-    return tokens, lps
+    return tokens.tolist(), lps
+
+
+def shown(server, tokens: list[int]) -> list[int]:
+    """The tokens whose text is in the reply (a stop token's is not)."""
+    return tokens[:-1] if tokens and tokens[-1] in server.tokenizer.eos_token_ids else tokens
 
 
 def full_logprobs(server, ids: list[int]) -> torch.Tensor:
@@ -61,8 +64,10 @@ def test_completion_logprobs_equal_generate(server):
         assert list(top.values()) == pytest.approx([v for _, v in e.top], abs=1e-5)
         assert max(top.values()) == pytest.approx(got.token_logprobs[t], abs=1e-6), "greedy = most likely"
     text = out.choices[0].text
-    assert got.text_offset == [len(server.tokenizer.decode(tokens[:i])) for i in range(len(tokens))]
-    assert text == server.tokenizer.decode(tokens)
+    assert got.text_offset == [
+        len(server.tokenizer.decode(shown(server, tokens[:i]))) for i in range(len(tokens))
+    ]
+    assert text == server.tokenizer.decode(shown(server, tokens))
 
 
 def test_sampled_logprobs_are_those_of_the_filtered_distribution(server):
@@ -107,7 +112,7 @@ def test_echo_with_new_tokens_as_token_ids(server):
     tokens, lps = library(server, ids, 4, 0)
     got = out.choices[0].logprobs
     prompt_text = server.tokenizer.decode(ids)
-    assert out.choices[0].text == prompt_text + server.tokenizer.decode(tokens)
+    assert out.choices[0].text == prompt_text + server.tokenizer.decode(shown(server, tokens))
     assert len(got.token_logprobs) == len(ids) + len(tokens)
     assert got.token_logprobs[len(ids) :] == pytest.approx([e.logprob for e in lps], abs=1e-5)
     assert got.text_offset[len(ids)] == len(prompt_text), "the new tokens' offsets count the echoed prompt"
@@ -122,7 +127,8 @@ def test_chat_logprobs_and_top_logprobs(server):
     tokens, lps = library(server, ids, 10, 2)
     content = out.choices[0].logprobs.content
     assert [c.token for c in content] == [token_str(server, t) for t in tokens]
-    assert b"".join(bytes(c.bytes) for c in content).decode() == out.choices[0].message.content
+    n = len(shown(server, tokens))
+    assert b"".join(bytes(c.bytes) for c in content[:n]).decode() == out.choices[0].message.content
     assert [c.logprob for c in content] == pytest.approx([e.logprob for e in lps], abs=1e-5)
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token for c in content)
     plain = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)

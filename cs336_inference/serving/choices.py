@@ -115,20 +115,18 @@ def chat_logprobs(strings: TokenStrings, entries: list[TokenLogprobs]) -> dict:
 class TextStream:
     """A reply's token ids in, text deltas out (io/detokenize.py's Detokenizer: half characters and
     what could begin a stop string held back). The deltas concatenate to the final text, which leaves
-    out the stop token that ended the reply, and ends before a stop string that did. Log-probability
-    entries of the tokens shown are kept beside them (`logprobs`, `ids`)."""
+    out the stop token that ended the reply, and ends before a stop string that did. The tokens'
+    log-probability entries are kept (`logprobs`, `logprob_ids`), the stop token's included, as
+    OpenAI and vLLM list it; after a stop string, no more."""
 
     def __init__(self, tokenizer, stop_ids: list[int], stop_strings: tuple[str, ...] = ()):
         self.stop_ids = set(stop_ids)
         self.detok = Detokenizer(tokenizer, stop_strings)
         self.finish_reason: str | None = None
         self.eos = 0
-        self.logprobs: list[TokenLogprobs] = []
+        self.logprobs: list[TokenLogprobs] = []  # one per token received, the stop token included
+        self.logprob_ids: list[int] = []
         self.start, self.first, self.end = time.perf_counter(), None, None  # for /metrics
-
-    @property
-    def ids(self) -> list[int]:
-        return self.detok.ids
 
     @property
     def num_tokens(self) -> int:
@@ -144,10 +142,10 @@ class TextStream:
         if new_ids and self.first is None:
             self.first = time.perf_counter()
         eos = finished and finish_reason == "stop" and bool(new_ids) and new_ids[-1] in self.stop_ids
-        shown = new_ids[:-1] if eos else new_ids
         if logprobs is not None and not self.detok.stopped:
-            self.logprobs += logprobs[: len(shown)]
-        delta = self.detok.push(shown, finished)
+            self.logprobs += logprobs  # the stop token's too (what lm-eval's echo expects)
+            self.logprob_ids += new_ids
+        delta = self.detok.push(new_ids[:-1] if eos else new_ids, finished)
         if eos:
             self.eos = 1  # the stop token: counted in the usage, not decoded
         if self.detok.stopped:

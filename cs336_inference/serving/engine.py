@@ -20,6 +20,11 @@ The contract (tests/test_serving_engine.py): every admitted request completes, i
 equals `generate` on its prompt alone, and every block is free again at the end, however small
 the block budget. With a seed, a request draws the same tokens as `generate(..., seed=seed)`.
 
+n samples of one prompt (params.n): the prompt is prefilled once; when its first token is due,
+n - 1 more samples are forked from it (blocks shared, copy-on-write), sample i drawing with seed + i.
+Log-probabilities (params.logprobs, params.prompt_logprobs) come with the outputs; a request that
+wants its prompt's needs every prompt row's logits, so it takes nothing from the prefix cache.
+
 Variants: MHA / GQA / MQA, sliding window (blocks stay allocated for the whole sequence: the
 window is applied by the mask; freeing blocks that leave the window is not done), hybrid
 local/global, MLA (the latent cache is paged the same way), CLA (borrowing layers read their

@@ -18,7 +18,8 @@ Parameters beyond the basic ones:
     "prompt"        (completions) a string, a list of token ids, or a list of either (a batch)
     "logprobs"      completions: N alternatives per token; chat: true, with "top_logprobs": N
                     (N <= 20). Values are those of the distribution sampled from (sampling.py's
-                    sampled_logprobs; greedy: the model's own). The stop token is not listed.
+                    sampled_logprobs; greedy: the model's own). A stop token is listed, though
+                    its text is not in the reply.
     "echo"          (completions) the prompt comes first in the text; with logprobs, its tokens'
                     log-probabilities too (the first null); "max_tokens": 0 scores a text only
 Extensions, as vLLM names them: "top_k", and "ignore_eos" (true: the reply runs to max_tokens, the
@@ -629,11 +630,11 @@ def create_app(
             """The logprobs object for the reply's tokens first..last-1 (and the prompt's, for echo)."""
             if parsed.logprobs is None:
                 return None
-            entries, ids = reply.text.logprobs[first:last], reply.text.ids[first:last]
+            entries, ids = reply.text.logprobs[first:last], reply.text.logprob_ids[first:last]
             if chat:
                 return chat_logprobs(strings, entries)
             start = len(echoed(reply))
-            offsets = text_offsets(strings, reply.text.ids[:last], start)[first:]
+            offsets = text_offsets(strings, reply.text.logprob_ids[:last], start)[first:]
             if with_prompt and parsed.echo:
                 prompt = parsed.prompts[reply.prompt]
                 entries = list(prompt_logprobs[reply.prompt] or [None] * len(prompt)) + entries
