@@ -111,6 +111,29 @@ def sample_next_token(
     # END SOLUTION
 
 
+# ------------------------------------------------------------------ constraints (structured output)
+def constrain(logits: Float[Tensor, "B V"], constraints: Sequence | None) -> Float[Tensor, "B V"]:
+    """Set to -inf, in place, the logits of the tokens row b's constraint does not allow next.
+
+    A constraint (structured.JsonMatcher) has allowed() -> Bool[V] and accept(token_id); None for a
+    row leaves it free. Masking before temperature / top-k / top-p restricts sampling (and greedy) to
+    the allowed tokens, renormalized.
+    """
+    if constraints:
+        for b, c in enumerate(constraints):
+            if c is not None:
+                logits[b].masked_fill_(~c.allowed().to(logits.device), float("-inf"))
+    return logits
+
+
+def advance(constraints: Sequence | None, tokens: Int[Tensor, " B"]) -> None:
+    """Feed each row's drawn token to its constraint (rows already done are left alone)."""
+    if constraints:
+        for c, token in zip(constraints, tokens.tolist(), strict=True):
+            if c is not None and not c.done:
+                c.accept(token)
+
+
 # ------------------------------------------------------------------ log-probabilities
 def sampled_logprobs(
     logits: Float[Tensor, "B V"],
@@ -201,6 +224,8 @@ class SamplingParams:
     it was drawn from) and its k most likely alternatives. prompt_logprobs: the same for every prompt
     token but the first (serving engine only). n: samples of one prompt (serving engine only; sample
     i draws from its own generator seeded with seed + i, so it equals `generate` with that seed).
+    json_schema: the output must be JSON this schema accepts (True: any JSON object); serving engine
+    only, which compiles it with its grammar (structured.py); `generate` takes the matcher instead.
     """
 
     max_new_tokens: int = 64
@@ -212,6 +237,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    json_schema: dict | bool | None = None
 
     MAX_LOGPROBS = 20  # the most alternatives per position (OpenAI's limit for top_logprobs)
 
@@ -230,6 +256,10 @@ class SamplingParams:
                 )
         if isinstance(self.n, bool) or not isinstance(self.n, numbers.Integral) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not (self.json_schema is None or self.json_schema is True or isinstance(self.json_schema, dict)):
+            raise ValueError(
+                f"json_schema must be a JSON schema (a dict), True or None, got {self.json_schema!r}"
+            )
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
         ):
@@ -382,29 +412,37 @@ def generate_steps(
     seed: int | None = None,
     use_cache: bool = True,
     params: SamplingParams | None = None,
+    constraints: Sequence | None = None,
 ) -> Iterator[tuple[Int[Tensor, " B"], Float[Tensor, "B V"]]]:
     """The low-level loop: yields (tokens [B], logits [B, V]) for each of max_new_tokens steps.
 
     No stopping here (rows keep going after a stop token); generate / stream_generate handle that.
     For one prompt B = 1. Bad arguments raise ValueError here, at the call, not at the first step.
+    constraints: one per row (or None), applied by `constrain` before each draw; the logits
+    yielded are the constrained ones.
     """
     params = sampling_params(
         params, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
     )
     ids, pad, _ = prepare_prompts(model, prompt_ids, params.max_new_tokens)
-    return _run_steps(model, ids, pad, params, use_cache)
+    if constraints is not None and len(constraints) != ids.shape[0]:
+        raise ValueError(f"{len(constraints)} constraints for {ids.shape[0]} prompts")
+    return _run_steps(model, ids, pad, params, use_cache, constraints)
 
 
 @torch.inference_mode()
 def _run_steps(
-    model, ids, pad, params: SamplingParams, use_cache: bool
+    model, ids, pad, params: SamplingParams, use_cache: bool, constraints: Sequence | None = None
 ) -> Iterator[tuple[Int[Tensor, " B"], Float[Tensor, "B V"]]]:
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=ids.device).manual_seed(params.seed)
 
     def next_token(logits: Float[Tensor, "B V"]) -> Int[Tensor, " B"]:
-        return sample_next_token(logits, params.temperature, params.top_k, params.top_p, generator)
+        constrain(logits, constraints)
+        token = sample_next_token(logits, params.temperature, params.top_k, params.top_p, generator)
+        advance(constraints, token)
+        return token
 
     steps = cached_steps if use_cache else naive_steps
     yield from steps(model, ids, pad, int(params.max_new_tokens), next_token)
@@ -424,6 +462,7 @@ def generate(
     return_logits: bool = False,
     params: SamplingParams | None = None,
     return_logprobs: bool = False,
+    constraints: Sequence | None = None,
 ):
     """Generate up to max_new_tokens new tokens per prompt (see the module docstring for shapes).
 
@@ -433,6 +472,8 @@ def generate(
     Float[n_new, V], the distribution each new token was sampled from (before temperature and
     filtering). With return_logprobs=True returns (tokens, logprobs): per row a list of
     TokenLogprobs, one per new token, with params.logprobs (or 0) alternatives (`sampled_logprobs`).
+    constraints: one per prompt (or None), e.g. structured.JsonGrammar(tokenizer).matcher(schema):
+    only the tokens it allows are drawn (`constrain`).
     """
     if return_logits and return_logprobs:
         raise ValueError("ask for return_logits or return_logprobs, not both")
@@ -443,7 +484,7 @@ def generate(
     prompts, single = as_prompt_list(prompt_ids)
     stops = torch.tensor(params.stops(model.config), dtype=torch.long)
     # checks the prompts (a ValueError) before the buffers below are sized by max_new_tokens
-    steps = generate_steps(model, prompts, use_cache=use_cache, params=params)
+    steps = generate_steps(model, prompts, use_cache=use_cache, params=params, constraints=constraints)
     max_new_tokens = int(params.max_new_tokens)
     B = len(prompts)
     device = model.embed.weight.device
@@ -496,11 +537,12 @@ def stream_generate(
     use_cache: bool = True,
     stop_token_ids: Sequence[int] | None = None,
     params: SamplingParams | None = None,
+    constraint=None,
 ) -> Iterator[int]:
     """Yield the new token ids of one prompt as they are produced (a stop token is yielded, then it ends).
 
-    Settings as generate's (keywords or params=). Bad arguments raise ValueError at the call, before
-    the first token is asked for.
+    Settings as generate's (keywords or params=); constraint as one of generate's constraints. Bad
+    arguments raise ValueError at the call, before the first token is asked for.
     """
     params = sampling_params(
         params, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -509,7 +551,8 @@ def stream_generate(
     prompts, single = as_prompt_list(prompt_ids)
     if not single:
         raise ValueError("stream_generate takes one prompt (a 1-D tensor or a list of ints)")
-    steps = generate_steps(model, prompts[0], use_cache=use_cache, params=params)
+    constraints = None if constraint is None else [constraint]
+    steps = generate_steps(model, prompts[0], use_cache=use_cache, params=params, constraints=constraints)
     return _stream(steps, set(params.stops(model.config)))
 
 

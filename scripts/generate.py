@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TEXT",
         help="end the text before the first occurrence of TEXT (repeat for up to 4; \\n for a newline)",
     )
+    p.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="write only JSON that the JSON schema in FILE accepts ({\"type\": \"object\"}: any object)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (text + statistics) on stdout")
     return p
 
@@ -156,6 +161,15 @@ def check_args(args: argparse.Namespace) -> None:
             check_stop_strings(args.stop)
         except ValueError as e:
             raise UsageError(f"--stop: {e}") from None
+    if args.json_schema is not None:
+        if args.draft is not None:
+            raise UsageError("--json-schema does not combine with --draft")
+        try:
+            args.json_schema = json.loads(Path(args.json_schema).expanduser().read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UsageError(f"--json-schema: cannot read a JSON schema from {args.json_schema}: {e}") from None
+        if not isinstance(args.json_schema, dict):
+            raise UsageError("--json-schema: the file must hold a JSON object (a schema)")
     if args.prompt_arg is not None and args.prompt is not None:
         raise UsageError("give the prompt either as an argument or with --prompt, not both")
     if args.model is not None:
@@ -278,12 +292,22 @@ def run(args: argparse.Namespace) -> int:
     t_first = t_last = None
     step_mode = None if args.eager or args.no_cache else "compile" if args.compile else native_mode(model)
     path = describe_path(args, step_mode)
+    constraint = None
+    if args.json_schema is not None:
+        from cs336_inference.structured import JsonGrammar
+
+        try:
+            constraint = JsonGrammar(tokenizer, stop_ids).matcher(args.json_schema)
+        except ValueError as e:
+            raise UsageError(f"--json-schema: {e}") from None
     if draft is None and step_mode == "native":
         from cs336_inference.fast.step.fixed import step_stream
 
-        tokens = step_stream(model, prompt_ids, mode="native", params=params)
+        tokens = step_stream(model, prompt_ids, mode="native", params=params, constraint=constraint)
     elif draft is None:
-        tokens = stream_generate(model, prompt_ids, use_cache=not args.no_cache, params=params)
+        tokens = stream_generate(
+            model, prompt_ids, use_cache=not args.no_cache, params=params, constraint=constraint
+        )
     else:
         from cs336_inference.speculative import SpeculativeStats, speculative_stream
 

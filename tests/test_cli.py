@@ -61,6 +61,8 @@ def run_cli(*args: str, stdin: str | None = None, timeout: float = 900) -> subpr
         (["--speculate-k", "3"], "--speculate-k"),
         (["--stop", "a", "--stop", "b", "--stop", "c", "--stop", "d", "--stop", "e"], "--stop"),
         (["--stop", ""], "--stop"),
+        (["--json-schema", "missing.json"], "--json-schema"),
+        (["--draft", "ngram", "--json-schema", "missing.json"], "--json-schema"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, option, tmp_path):
@@ -264,3 +266,36 @@ def test_auto_threads_counts_the_idle_cores():
     assert idle_cores(before, stat((200, 100), (100, 200)), {0, 1}) == 1.0, "one core kept busy"
     assert idle_cores(before, stat((150, 150), (150, 150)), {0, 1}) == 1.0, "both half busy"
     assert idle_cores(before, stat((200, 100), (100, 200)), {0}) == 0.0, "only the CPUs this process may use"
+
+
+def test_json_schema_gives_json_the_schema_accepts(tmp_path):
+    """--json-schema FILE on the default model and the default (fast) path: the text is JSON that
+    the schema accepts (checked by the jsonschema package); a schema llguidance cannot compile is a
+    one-line error."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    from cs336_inference.io.checkpoint import CheckpointError, default_model_path
+
+    try:
+        default_model_path()
+    except CheckpointError as e:
+        pytest.skip(str(e))
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "population": {"type": "integer", "minimum": 0, "maximum": 10**8},
+        },
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    result = run_cli(
+        "--json-schema", str(path), "--max-new-tokens", "40", *FAST, "The capital of France, as JSON."
+    )
+    assert result.returncode == 0, result.stderr
+    jsonschema.validate(json.loads(result.stdout), schema)
+    path.write_text(json.dumps({"type": "array", "uniqueItems": True}))
+    bad = run_cli("--json-schema", str(path), *FAST, "hi")
+    assert bad.returncode == 2 and "--json-schema" in bad.stderr and "uniqueItems" in bad.stderr, bad.stderr

@@ -24,6 +24,8 @@ n samples of one prompt (params.n): the prompt is prefilled once; when its first
 n - 1 more samples are forked from it (blocks shared, copy-on-write), sample i drawing with seed + i.
 Log-probabilities (params.logprobs, params.prompt_logprobs) come with the outputs; a request that
 wants its prompt's needs every prompt row's logits, so it takes nothing from the prefix cache.
+Structured output (params.json_schema): the engine's grammar (structured.JsonGrammar) gives each
+such sample a matcher, and the sampler masks, row by row, every token it does not allow.
 
 Variants: MHA / GQA / MQA, sliding window (blocks stay allocated for the whole sequence: the
 window is applied by the mask; freeing blocks that leave the window is not done), hybrid
@@ -48,7 +50,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..sampling import SamplingParams, TokenLogprobs, sample_next_token, sampled_logprobs, token_logprobs
+from ..sampling import (
+    SamplingParams,
+    TokenLogprobs,
+    advance,
+    constrain,
+    sample_next_token,
+    sampled_logprobs,
+    token_logprobs,
+)
 from .block_manager import BlockManager
 from .paged_attention import PagedBatch, PagedKVCache
 from .request import Request, RequestOutput
@@ -86,6 +96,7 @@ class LLMEngine:
         max_batch_seqs: int = 16,
         prefix_caching: bool = True,
         static_batching: bool = False,
+        grammar=None,
     ):
         for name, value in [("max_batch_tokens", max_batch_tokens), ("max_batch_seqs", max_batch_seqs)]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -99,6 +110,7 @@ class LLMEngine:
         # static batching (the baseline, for benchmarks): a new batch is admitted only once every
         # sequence of the last one has finished; steps, cache and sampling as continuous batching
         self.static_batching = static_batching
+        self.grammar = grammar  # structured.JsonGrammar: compiles params.json_schema (None: refused)
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests
         # The latest finished requests, kept for request_metrics; bounded so that a long-running
         # server does not grow without limit (the oldest is forgotten first).
@@ -131,6 +143,13 @@ class LLMEngine:
                 f"prompt ({P}) + max_new_tokens ({M}) needs {need} KV blocks of {self.blocks.block_size} "
                 f"tokens, more than the engine's {self.blocks.num_blocks}"
             )
+        constraint = None
+        if params.json_schema is not None:
+            if self.grammar is None:
+                raise ValueError(
+                    "json_schema needs an engine with a grammar: LLMEngine(..., grammar=JsonGrammar(tokenizer))"
+                )
+            constraint = self.grammar.matcher(params.json_schema)  # ValueError if it does not compile
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         request_id = str(request_id)
@@ -140,6 +159,7 @@ class LLMEngine:
             request_id, ids, P, params, time.perf_counter(), next(self._order), self._generator(params, 0)
         )
         seq.group.append(seq)
+        seq.constraint = constraint
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * P
         self.requests[request_id] = seq
@@ -268,7 +288,7 @@ class LLMEngine:
             child = Request(
                 seq.request_id, list(seq.token_ids), seq.num_prompt, seq.params, seq.arrival, seq.order,
                 self._generator(seq.params, i), self.blocks.fork(seq.table), seq.num_computed,
-                index=i, group=seq.group,
+                index=i, group=seq.group, constraint=None if seq.constraint is None else seq.constraint.copy(),
             )  # fmt: skip
             seq.group.append(child)
             self.scheduler.running.append(child)
@@ -290,21 +310,27 @@ class LLMEngine:
         """Next token of each sequence from its row of logits: greedy rows in one argmax, sampled rows
         one by one with their own parameters and generator (so a seed draws as in `generate`); and,
         where params.logprobs is set, the token's log-probability (`sampled_logprobs`)."""
+        rows = logits[[r for _, r in picks]]  # one row per sample (forked samples share a row)
+        constraints = [seq.constraint for seq, _ in picks]
+        if any(c is not None for c in constraints):
+            constrain(rows, constraints)  # structured output: what the grammar forbids becomes -inf
         tokens: list[int | None] = [None] * len(picks)
         greedy = [j for j, (seq, _) in enumerate(picks) if seq.params.temperature == 0.0]
         if greedy:
-            picked = logits[[picks[j][1] for j in greedy]].argmax(dim=-1).tolist()
+            picked = rows[greedy].argmax(dim=-1).tolist()
             for j, token in zip(greedy, picked, strict=True):
                 tokens[j] = token
         logprobs: list[TokenLogprobs | None] = [None] * len(picks)
-        for j, (seq, r) in enumerate(picks):
+        for j, (seq, _) in enumerate(picks):
             p = seq.params
-            row = logits[r : r + 1]
+            row = rows[j : j + 1]
             if tokens[j] is None:
                 tokens[j] = int(sample_next_token(row, p.temperature, p.top_k, p.top_p, seq.generator)[0])
             if p.logprobs is not None:
                 lp = sampled_logprobs(row, p.temperature, p.top_k, p.top_p)
                 logprobs[j] = token_logprobs(lp, torch.tensor([tokens[j]], device=lp.device), p.logprobs)[0]
+        if any(c is not None for c in constraints):
+            advance(constraints, torch.tensor(tokens))
         return tokens, logprobs
 
     def generate(

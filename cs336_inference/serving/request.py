@@ -4,6 +4,7 @@ sampling settings and timestamps; and what one engine step reports for it (Reque
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -54,6 +55,7 @@ class Request:
     group: list[Request] = field(default_factory=list)  # all samples so far, shared by them (index order)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # filled while prefilling, if asked for
     prompt_logprobs_sent: bool = False
+    constraint: Any = None  # structured.JsonMatcher when params.json_schema is set
 
     @property
     def num_output(self) -> int:

@@ -22,6 +22,9 @@ Parameters beyond the basic ones:
                     its text is not in the reply.
     "echo"          (completions) the prompt comes first in the text; with logprobs, its tokens'
                     log-probabilities too (the first null); "max_tokens": 0 scores a text only
+    "response_format"  {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
+                    ...}}: only tokens the schema's grammar allows are sampled (structured.py); a
+                    schema that does not compile is a 400
 Extensions, as vLLM names them: "top_k", and "ignore_eos" (true: the reply runs to max_tokens, the
 model's EOS ids included; for benchmarks). Bad requests get a 4xx JSON body in OpenAI's error shape
 {"error": {"message", "type", "param", "code"}}; the server keeps serving.
@@ -228,9 +231,12 @@ def _flag(body: dict, name: str) -> bool:
 class RequestParser:
     """Turns an OpenAI request body into prompt ids and SamplingParams, or raises APIError."""
 
-    def __init__(self, tokenizer, model_name: str, max_seq_len: int, capacity: int, stop_ids: list[int]):
+    def __init__(
+        self, tokenizer, model_name: str, max_seq_len: int, capacity: int, stop_ids: list[int], grammar=None
+    ):
         self.tokenizer, self.model_name = tokenizer, model_name
         self.max_seq_len, self.capacity, self.stop_ids = max_seq_len, capacity, stop_ids
+        self.grammar = grammar  # structured.JsonGrammar, or None: response_format JSON is refused
 
     def __call__(self, body: Any, chat: bool) -> Parsed:
         if not isinstance(body, dict):
@@ -288,11 +294,45 @@ class RequestParser:
             logprobs=logprobs,
             prompt_logprobs=logprobs if echo else None,
             n=n,
+            json_schema=self._response_format(body),
         )
         return Parsed(
             prompts, params, stream, bool(options.get("include_usage", False)), stop_strings, texts, echo,
             int(max_tokens), logprobs,
         )  # fmt: skip
+
+    def _response_format(self, body: dict) -> dict | bool | None:
+        """The JSON schema the reply must follow (True: any JSON object), or None; checked to compile."""
+        fmt = body.get("response_format")
+        if fmt is None:
+            return None
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            schema: dict | bool = True
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(
+                    400, "'response_format.json_schema.schema' must be a JSON schema", "response_format"
+                )
+        else:
+            raise APIError(
+                400,
+                f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",
+                "response_format",
+            )
+        if self.grammar is None:
+            raise APIError(
+                400, "structured output needs the llguidance package on the server", "response_format"
+            )
+        try:
+            self.grammar.compile(schema)
+        except ValueError as e:
+            raise APIError(400, str(e), param="response_format") from None
+        return schema
 
     def _logprobs(self, body: dict, chat: bool) -> int | None:
         """Alternatives per token, or None: completions' "logprobs": N, chat's "logprobs": true with
@@ -430,7 +470,21 @@ def create_app(
     stats = engine.stats()
     block_size = getattr(engine, "block_size", None) or stats.get("block_size", 16)
     capacity = int(stats["num_blocks"]) * int(block_size)
-    parse = RequestParser(tokenizer, model_name, cfg.max_seq_len, capacity, list(stop_token_ids))
+    if getattr(engine, "grammar", None) is None:
+        try:  # structured output, where llguidance is installed
+            from cs336_inference.structured import JsonGrammar
+
+            engine.grammar = JsonGrammar(tokenizer, list(stop_token_ids))
+        except ValueError:
+            engine.grammar = None
+    parse = RequestParser(
+        tokenizer,
+        model_name,
+        cfg.max_seq_len,
+        capacity,
+        list(stop_token_ids),
+        getattr(engine, "grammar", None),
+    )
     runner = EngineLoop(engine)
     created = int(time.time())
 

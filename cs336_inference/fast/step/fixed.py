@@ -47,7 +47,14 @@ from cs336_inference.fast.cpu import build, ops
 from cs336_inference.fast.step.fuse import fuse_siblings
 from cs336_inference.fast.step.native import PHASES, NativeLayers, OutputHead
 from cs336_inference.kv_cache import KVCache, StaticKVCache
-from cs336_inference.sampling import SamplingParams, prepare_prompts, sample_next_token, sampling_params
+from cs336_inference.sampling import (
+    SamplingParams,
+    advance,
+    constrain,
+    prepare_prompts,
+    sample_next_token,
+    sampling_params,
+)
 
 MODES = ("graph", "compile", "native", "eager")
 
@@ -304,10 +311,11 @@ def step_stream(
     seed: int | None = None,
     stop_token_ids=None,
     params: SamplingParams | None = None,
+    constraint=None,
 ):
     """`sampling.stream_generate` for one prompt with an eager prefill and FixedStep decode steps
     (mode as FixedStep's): yields each new token id; a stop token (None: the config's EOS ids) is
-    yielded, then it ends. The settings as stream_generate's (keywords or params=).
+    yielded, then it ends. The settings (keywords or params=) and constraint as stream_generate's.
 
     Arguments are checked (ValueError) at the call, and the step is made there too, so a model the
     mode cannot run is refused before the first token. Greedy gives `generate`'s tokens; sampled, the
@@ -332,7 +340,10 @@ def step_stream(
     def tokens():
         logits = model(ids, cache=cache, last_only=True)[:, -1]
         for n in range(max_new_tokens):
+            constraints = None if constraint is None else [constraint]
+            constrain(logits, constraints)
             token = sample_next_token(logits, temperature, top_k, top_p, generator)
+            advance(constraints, token)
             token_id = int(token[0])
             yield token_id
             if token_id in stops or n == max_new_tokens - 1:
