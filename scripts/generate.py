@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json-schema",
         metavar="FILE",
-        help="write only JSON that the JSON schema in FILE accepts ({\"type\": \"object\"}: any object)",
+        help='write only JSON that the JSON schema in FILE accepts ({"type": "object"}: any object)',
     )
     p.add_argument("--json", action="store_true", help="print one JSON object (text + statistics) on stdout")
     return p
@@ -167,7 +167,9 @@ def check_args(args: argparse.Namespace) -> None:
         try:
             args.json_schema = json.loads(Path(args.json_schema).expanduser().read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise UsageError(f"--json-schema: cannot read a JSON schema from {args.json_schema}: {e}") from None
+            raise UsageError(
+                f"--json-schema: cannot read a JSON schema from {args.json_schema}: {e}"
+            ) from None
         if not isinstance(args.json_schema, dict):
             raise UsageError("--json-schema: the file must hold a JSON object (a schema)")
     if args.prompt_arg is not None and args.prompt is not None:
