@@ -94,14 +94,13 @@ class JsonMatcher:
     def __init__(self, matcher, vocab_size: int):
         self._m, self.vocab_size = matcher, vocab_size
         self._words = np.zeros((1, (vocab_size + 31) // 32), dtype=np.int32)
-        self._bits = torch.arange(32, dtype=torch.int32)
 
     def allowed(self) -> Bool[Tensor, " V"]:
         """True for every token that can come next (only end-of-sequence once the value is done)."""
         self._m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
-        words = torch.from_numpy(self._words[0])
-        bits = (words[:, None] >> self._bits) & 1  # bit j of word w: token 32 w + j
-        return bits.flatten()[: self.vocab_size].bool()
+        # bit j of word w is token 32 w + j: little-endian words, so byte by byte, low bit first
+        bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")[: self.vocab_size]
+        return torch.from_numpy(bits.view(np.bool_))
 
     def accept(self, token_id: int) -> None:
         if not self._m.consume_token(int(token_id)):

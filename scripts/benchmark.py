@@ -30,6 +30,13 @@ starts and stops (cs336_inference/bench/contention.py).
 
     python scripts/benchmark.py contention --sizes 1,8 --out contention.json
 
+`grammar`: structured output's cost: per token, the JSON grammar's mask over the vocabulary for
+llguidance (what the server uses) and outlines-core (if installed), replaying values SmolLM2 wrote
+for the schemas of evals/json_schemas.json; end to end, the engine with and without the mask
+(cs336_inference/bench/grammar.py).
+
+    python scripts/benchmark.py grammar --markdown docs/measured/grammar.md
+
 `http`: scripts/serve.py (continuous and static batching) and llama.cpp's server (llama-cpp-python,
 if installed) on the same GGUF, driven over HTTP by the `openai` client from another process at
 Poisson arrival rates: throughput, TTFT, TPOT, latency percentiles, a plot (cs336_inference/bench/http.py).
@@ -431,6 +438,21 @@ def run_contention(args: argparse.Namespace) -> dict:
     return result
 
 
+def run_grammar(args: argparse.Namespace) -> dict:
+    """`grammar`: structured output's mask cost per token (cs336_inference.bench.grammar)."""
+    from cs336_inference.bench import grammar
+    from cs336_inference.io.tokenizer import load_tokenizer
+
+    source = Path(args.model) if args.model else default_model_path()
+    log(f"loading {source}")
+    model = install(load_pretrained(source, dtype=torch.float32).eval())
+    schemas = grammar.load_schemas(args.schemas) if args.schemas else grammar.load_schemas()
+    result = grammar.grammar_benchmark(model, load_tokenizer(source), schemas, args.seed, log=log)
+    result["model"] = source.name
+    result["table"] = grammar.format_grammar_table(result)
+    return result
+
+
 def run_http(args: argparse.Namespace) -> dict:
     """`http`: servers over HTTP from a client process (cs336_inference.bench.http)."""
     import importlib.util
@@ -618,6 +640,13 @@ def main(argv: list[str] | None = None) -> int:
     con.add_argument("--prompt-len", type=int, default=64, help="prompt tokens")
     con.add_argument("--steps", type=int, default=16, help="timed decode steps per row and phase")
     con.add_argument("--out", type=Path, help="write the results as JSON here")
+    gra = sub.add_parser("grammar", help="structured output: the JSON grammar's mask cost per token")
+    gra.add_argument("--model", help="checkpoint (default: SmolLM2-135M-Instruct GGUF)")
+    gra.add_argument(
+        "--schemas", type=Path, help="JSON file of named schemas (default: evals/json_schemas.json)"
+    )
+    gra.add_argument("--seed", type=int, default=0)
+    gra.add_argument("--out", type=Path, help="write the results as JSON here")
     web = sub.add_parser("http", help="servers over HTTP from a client process: ours, static, llama.cpp")
     web.add_argument("--model", help="GGUF or checkpoint (default: the SmolLM2-135M-Instruct GGUF)")
     web.add_argument(
@@ -680,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_contention(args)
         elif args.command == "http":
             result = run_http(args)
+        elif args.command == "grammar":
+            result = run_grammar(args)
         else:
             if args.runs < 1 or args.new_tokens < 2:
                 raise BenchmarkError(
@@ -692,7 +723,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     table = (
         result["table"]
-        if args.command in ("quant", "speculative", "gpu", "kernels", "engine", "contention", "http")
+        if args.command
+        in ("quant", "speculative", "gpu", "kernels", "engine", "contention", "http", "grammar")
         else format_report(result)
     )
     print(table)

@@ -274,3 +274,26 @@ def test_a_markdown_report_names_its_command_cpu_torch_and_date(tmp_path):
     assert "cores)" in cpu and "(" in cpu, cpu
     report.write_markdown(tmp_path / "docs" / "t.md", table)
     assert (tmp_path / "docs" / "t.md").read_text().endswith(f"```text\n{table}\n```\n")
+
+
+def test_grammar_benchmark_replays_every_schema_and_writes_its_table():
+    """benchmark.py grammar on a tiny random model with SmolLM2's vocabulary and three schemas."""
+    pytest.importorskip("llguidance")
+    from cs336_inference import ModelConfig, TransformerLM
+    from cs336_inference.bench import grammar
+    from cs336_inference.io.checkpoint import default_model_path
+    from cs336_inference.io.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=tokenizer.vocab_size, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=512,
+        eos_token_id=tokenizer.eos_token_ids,
+    )  # fmt: skip
+    schemas = {k: v for k, v in grammar.load_schemas().items() if k in ("point", "weekday", "colours")}
+    r = grammar.grammar_benchmark(TransformerLM(cfg).eval(), tokenizer, schemas, log=lambda *_: None)
+    ours = r["engines"]["llguidance"]
+    assert ours["schemas"] == 3 and ours["tokens"] == r["tokens"] > 0, r
+    assert 0 < ours["mask_us_median"] <= ours["mask_us_p99"]
+    table = grammar.format_grammar_table(r)
+    assert "| llguidance | 3 |" in table and "tok/s with the mask" in table, table

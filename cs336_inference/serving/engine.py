@@ -310,26 +310,27 @@ class LLMEngine:
         """Next token of each sequence from its row of logits: greedy rows in one argmax, sampled rows
         one by one with their own parameters and generator (so a seed draws as in `generate`); and,
         where params.logprobs is set, the token's log-probability (`sampled_logprobs`)."""
-        rows = logits[[r for _, r in picks]]  # one row per sample (forked samples share a row)
         constraints = [seq.constraint for seq, _ in picks]
-        if any(c is not None for c in constraints):
-            constrain(rows, constraints)  # structured output: what the grammar forbids becomes -inf
+        constrained = any(c is not None for c in constraints)
+        where = [r for _, r in picks]  # each sample's row (forked samples share one)
+        if constrained:  # structured output: a copy, one row per sample, -inf where the grammar says no
+            logits, where = constrain(logits[where], constraints), list(range(len(picks)))
         tokens: list[int | None] = [None] * len(picks)
         greedy = [j for j, (seq, _) in enumerate(picks) if seq.params.temperature == 0.0]
         if greedy:
-            picked = rows[greedy].argmax(dim=-1).tolist()
+            picked = logits[[where[j] for j in greedy]].argmax(dim=-1).tolist()
             for j, token in zip(greedy, picked, strict=True):
                 tokens[j] = token
         logprobs: list[TokenLogprobs | None] = [None] * len(picks)
         for j, (seq, _) in enumerate(picks):
             p = seq.params
-            row = rows[j : j + 1]
+            row = logits[where[j] : where[j] + 1]
             if tokens[j] is None:
                 tokens[j] = int(sample_next_token(row, p.temperature, p.top_k, p.top_p, seq.generator)[0])
             if p.logprobs is not None:
                 lp = sampled_logprobs(row, p.temperature, p.top_k, p.top_p)
                 logprobs[j] = token_logprobs(lp, torch.tensor([tokens[j]], device=lp.device), p.logprobs)[0]
-        if any(c is not None for c in constraints):
+        if constrained:
             advance(constraints, torch.tensor(tokens))
         return tokens, logprobs
 
