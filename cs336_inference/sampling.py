@@ -85,6 +85,26 @@ def top_p_filter(logits: Float[Tensor, "B V"], p: float) -> Float[Tensor, "B V"]
     # END SOLUTION
 
 
+def filter_logits(
+    logits: Float[Tensor, "B V"],
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> Float[Tensor, "B V"]:
+    """The logits sampling draws from (temperature > 0), as a new float32 tensor: divided by the
+    temperature, then the top-k kept (if top_k is given), then the top-p nucleus of what is left (if
+    top_p < 1). softmax of the result is the distribution; its log-softmax, the log-probabilities.
+    """
+    # BEGIN SOLUTION sampling
+    logits = apply_temperature(logits.float(), temperature)
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None and top_p < 1.0:
+        logits = top_p_filter(logits, top_p)
+    return logits
+    # END SOLUTION
+
+
 def sample_next_token(
     logits: Float[Tensor, "B V"],
     temperature: float = 0.0,
@@ -94,19 +114,14 @@ def sample_next_token(
 ) -> Int[Tensor, " B"]:
     """Return one sampled token id per row (LongTensor [B]).
 
-    temperature == 0 is greedy (argmax). Otherwise, in this order: divide by the temperature, keep
-    the top-k (if top_k is given), keep the top-p nucleus of what is left (if top_p < 1), then draw
-    one token from the softmax with `generator` (so a seeded generator reproduces the draws).
+    temperature == 0 is greedy (argmax). Otherwise draw one token from the softmax of
+    `filter_logits` (temperature, then top-k, then top-p) with `generator` (so a seeded generator
+    reproduces the draws).
     """
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     # BEGIN SOLUTION sampling
-    logits = apply_temperature(logits.float(), temperature)
-    if top_k is not None:
-        logits = top_k_filter(logits, top_k)
-    if top_p is not None and top_p < 1.0:
-        logits = top_p_filter(logits, top_p)
-    probs = logits.softmax(dim=-1)
+    probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
     # END SOLUTION
 
@@ -141,22 +156,15 @@ def sampled_logprobs(
     top_k: int | None = None,
     top_p: float | None = None,
 ) -> Float[Tensor, "B V"]:
-    """log-probabilities of the distribution sample_next_token draws from (fp32 or wider).
+    """log-probabilities of the distribution sample_next_token draws from.
 
-    temperature > 0: log-softmax of the logits after temperature, top-k and top-p, so a token outside
-    the kept set has -inf. Greedy (temperature 0) has no distribution to draw from; it reports the
+    temperature > 0: log-softmax of `filter_logits` (fp32), so a token outside the kept set has -inf. Greedy (temperature 0) has no distribution to draw from; it reports the
     model's own one, log-softmax of the raw logits (temperature 1, nothing filtered): what scoring a
     text needs, and what the chosen token's log-probability means to a reader.
     """
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature == 0.0:
-        return logits.log_softmax(dim=-1)
-    logits = apply_temperature(logits, temperature)
-    if top_k is not None:
-        logits = top_k_filter(logits, top_k)
-    if top_p is not None and top_p < 1.0:
-        logits = top_p_filter(logits, top_p)
-    return logits.log_softmax(dim=-1)
+        return logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(dim=-1)
+    return filter_logits(logits, temperature, top_k, top_p).log_softmax(dim=-1)
 
 
 @dataclass

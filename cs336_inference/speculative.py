@@ -35,14 +35,7 @@ from torch import Tensor
 
 from .kv_cache import KVCache, RingKVCache
 from .model import TransformerLM
-from .sampling import (
-    SamplingParams,
-    apply_temperature,
-    as_prompt_list,
-    sampling_params,
-    top_k_filter,
-    top_p_filter,
-)
+from .sampling import SamplingParams, as_prompt_list, filter_logits, sampling_params
 
 
 # ------------------------------------------------------------------ distributions
@@ -58,12 +51,7 @@ def sampling_probs(
     if temperature == 0.0:
         probs = F.one_hot(logits.argmax(dim=-1), shape[-1]).float()
     else:
-        logits = apply_temperature(logits, temperature)
-        if top_k is not None:
-            logits = top_k_filter(logits, top_k)
-        if top_p is not None and top_p < 1.0:
-            logits = top_p_filter(logits, top_p)
-        probs = logits.softmax(dim=-1)
+        probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
     return probs.reshape(shape)
 
 

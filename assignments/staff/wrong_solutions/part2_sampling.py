@@ -6,7 +6,7 @@ the `sampling` graded tests lose points and leave every other problem's graded t
 
 FILE = "cs336_inference/sampling.py"
 
-# The reference sampling branch of sample_next_token, reordered or altered by several entries below.
+# The reference filter_logits pipeline, reordered or altered by several entries below.
 _PIPELINE = """    logits = apply_temperature(logits.float(), temperature)
     if top_k is not None:
         logits = top_k_filter(logits, top_k)
