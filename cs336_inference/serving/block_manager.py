@@ -109,6 +109,9 @@ class BlockTable:
 
     blocks: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # hashes[i]: key of full block i (prefix cache)
+    # blocks[:dropped] were given back when they left every layer's sliding window: their ids stay
+    # (attention never reads them, the window masks them) but this table no longer holds them
+    dropped: int = 0
 
 
 class BlockManager:
@@ -254,14 +257,25 @@ class BlockManager:
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A second table holding the same blocks (each shared: count + 1), e.g. for parallel samples."""
-        for block in table.blocks:
+        for block in table.blocks[table.dropped :]:
             self.allocator.share(block)
-        return BlockTable(list(table.blocks), list(table.hashes))
+        return BlockTable(list(table.blocks), list(table.hashes), table.dropped)
+
+    def release_before(self, table: BlockTable, step: int) -> int:
+        """Give back the blocks that hold only steps before `step` (no later query can see them: they
+        left every layer's sliding window); returns how many. They stay in the prefix cache until
+        reused, like any freed block."""
+        end = min(max(step, 0) // self.block_size, len(table.blocks))
+        for block in table.blocks[table.dropped : end]:
+            self.allocator.free(block)
+        released, table.dropped = max(0, end - table.dropped), max(table.dropped, end)
+        return released
 
     def free(self, table: BlockTable) -> None:
         """Drop the table's references, last block first (so a prefix's first blocks stay cached
         longest: the free list hands out the earliest freed first), and empty it."""
-        for block in reversed(table.blocks):
+        for block in reversed(table.blocks[table.dropped :]):
             self.allocator.free(block)
         table.blocks.clear()
         table.hashes.clear()
+        table.dropped = 0

@@ -27,8 +27,9 @@ wants its prompt's needs every prompt row's logits, so it takes nothing from the
 Structured output (params.json_schema): the engine's grammar (structured.JsonGrammar) gives each
 such sample a matcher, and the sampler masks, row by row, every token it does not allow.
 
-Variants: MHA / GQA / MQA, sliding window (blocks stay allocated for the whole sequence: the
-window is applied by the mask; freeing blocks that leave the window is not done), hybrid
+Variants: MHA / GQA / MQA, sliding window (when every layer slides over W steps, a block whose
+steps have all left the window is given back after each step, so a long request holds about W /
+block_size blocks; a hybrid keeps all its blocks, since its global layers read them), hybrid
 local/global, MLA (the latent cache is paged the same way), CLA (borrowing layers read their
 owner's blocks, so the paged cache shrinks by kv_share like the contiguous one).
 
@@ -97,6 +98,7 @@ class LLMEngine:
         prefix_caching: bool = True,
         static_batching: bool = False,
         grammar=None,
+        release_window_blocks: bool = True,
     ):
         for name, value in [("max_batch_tokens", max_batch_tokens), ("max_batch_seqs", max_batch_seqs)]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -111,6 +113,11 @@ class LLMEngine:
         # sequence of the last one has finished; steps, cache and sampling as continuous batching
         self.static_batching = static_batching
         self.grammar = grammar  # structured.JsonGrammar: compiles params.json_schema (None: refused)
+        # every layer slides over a window W: a block all of whose steps are more than W - 1 behind
+        # the next query is given back (a global layer anywhere would still read it: then nothing is)
+        windows = {self.config.layer_window(i) for i in range(self.config.n_layers)}
+        self.window = max(windows) if release_window_blocks and None not in windows else None
+        self.window_released = 0
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests
         # The latest finished requests, kept for request_metrics; bounded so that a long-running
         # server does not grow without limit (the oldest is forgotten first).
@@ -138,6 +145,10 @@ class LLMEngine:
                 f"{self.config.max_seq_len} tokens"
             )
         need = self.blocks.num_blocks_for(P + M - 1)  # the last token's K/V is never computed
+        if self.window is not None:  # at most a window and one step's tokens are held at once
+            need = min(
+                need, self.blocks.num_blocks_for(self.window - 1 + self.scheduler.max_batch_tokens) + 1
+            )
         if need > self.blocks.num_blocks:
             raise ValueError(
                 f"prompt ({P}) + max_new_tokens ({M}) needs {need} KV blocks of {self.blocks.block_size} "
@@ -238,6 +249,10 @@ class LLMEngine:
             row += n if all_rows else 1
             seq.num_computed += n
             self.blocks.register_full_blocks(seq.table, seq.token_ids, seq.num_computed)
+            if self.window is not None:  # the next query sees steps num_computed - W + 1 onwards
+                self.window_released += self.blocks.release_before(
+                    seq.table, seq.num_computed - self.window + 1
+                )
             if seq.remaining == 0:  # the rest: prompt chunks
                 picks += [(s, row - 1) for s in self._fork(seq)]
         tokens, logprobs = self._sample(logits, picks)
@@ -425,6 +440,7 @@ class LLMEngine:
             prefix_queries=b.prefix_queries,
             prefix_hit_rate=b.prefix_hits / b.prefix_queries if b.prefix_queries else 0.0,
             cow_copies=b.cow_copies,
+            window_released_blocks=self.window_released,
             num_waiting=len(self.scheduler.waiting),
             num_running=len(running),
             steps=self.num_steps,
