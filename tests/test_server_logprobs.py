@@ -227,3 +227,55 @@ def test_tokenizer_endpoints(server):
     info = json.loads(raw)
     assert status == 200 and info["eos_token"] == server.tokenizer.eos_token
     assert info["chat_template"] == server.tokenizer.chat_template
+
+
+@pytest.mark.slow
+def test_scripts_serve_py_answers_every_new_parameter():
+    """scripts/serve.py itself (the readable path, SmolLM2) on 127.0.0.1, through the openai client:
+    logprobs with echo, n samples with a seed, a JSON schema, stop strings; each as the library gives."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import openai
+
+    from cs336_inference.bench.http import free_port, wait_ready
+    from cs336_inference.io.checkpoint import default_model_path, load_pretrained
+    from cs336_inference.io.tokenizer import load_tokenizer
+
+    path = default_model_path()
+    model, tok = load_pretrained(path).eval(), load_tokenizer(path)
+    port = free_port()
+    script = Path(__file__).resolve().parents[1] / "scripts" / "serve.py"
+    cmd = [sys.executable, str(script), "--port", str(port), "--eager", "--name", "smol", "--threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    try:
+        wait_ready(port, proc, 600, lambda m: None)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        prompt = "The capital of France is"
+        ids = tok.encode(prompt)
+        out = client.completions.create(model="smol", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+        with torch.no_grad():
+            lp = model(torch.tensor([ids]))[0].log_softmax(-1)
+        want = [float(lp[i - 1, ids[i]]) for i in range(1, len(ids))]
+        assert out.choices[0].logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+        out = client.completions.create(model="smol", prompt=prompt, n=2, max_tokens=5, temperature=1, seed=4)
+        stops = sorted(set(tok.eos_token_ids) | set(model.config.eos_token_ids))
+        for c in out.choices:
+            toks = generate(model, ids, 5, temperature=1.0, seed=4 + c.index, stop_token_ids=stops).tolist()
+            toks = toks[:-1] if toks and toks[-1] in stops else toks
+            assert c.text == tok.decode(toks), f"sample {c.index}"
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"], "additionalProperties": False}  # fmt: skip
+        out = client.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "Capital of France, as JSON?"}], max_tokens=30,
+            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+        )  # fmt: skip
+        assert set(json.loads(out.choices[0].message.content)) == {"city"}
+        out = client.completions.create(
+            model="smol", prompt=prompt, max_tokens=12, temperature=0, stop=[" Paris"]
+        )
+        assert " Paris" not in out.choices[0].text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
