@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("fastapi")
 lm_eval = pytest.importorskip("lm_eval")
 
-from test_server import MODEL, Server  # noqa: E402
+from test_server import MODEL, Server, running  # noqa: E402
 
 from cs336_inference.evaluation import continuation_logprob  # noqa: E402
 from cs336_inference.io.checkpoint import default_model_path, load_pretrained  # noqa: E402
@@ -47,10 +47,7 @@ def smollm2_server():
     model = load_pretrained(path).eval()
     tokenizer = load_tokenizer(path)
     engine = LLMEngine(model, num_blocks=64, block_size=16)
-    s = Server(model, tokenizer, engine)
-    yield s
-    s.uvicorn.should_exit = True
-    s.thread.join(timeout=10)
+    yield from running(Server(model, tokenizer, engine))
 
 
 def test_lm_eval_scores_through_the_server_as_the_library_does(smollm2_server, monkeypatch, tmp_path):

@@ -93,12 +93,16 @@ def start_server(**app_options) -> Server:
     return Server(model, tokenizer, engine, **app_options)
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = start_server()
+def running(s: Server):
+    """A fixture's body: the server, stopped when the module is done with it."""
     yield s
     s.uvicorn.should_exit = True
     s.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from running(start_server())
 
 
 def get(port: int, path: str, headers: dict | None = None) -> tuple[int, bytes]:

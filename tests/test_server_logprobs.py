@@ -13,17 +13,14 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
-from test_server import MODEL, NUM_BLOCKS, get, start_server  # noqa: E402
+from test_server import MODEL, NUM_BLOCKS, get, running, start_server  # noqa: E402
 
 from cs336_inference.sampling import SamplingParams, generate  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server()
-    yield s
-    s.uvicorn.should_exit = True
-    s.thread.join(timeout=10)
+    yield from running(start_server())
 
 
 def library(server, ids: list[int], max_tokens: int, top: int, **settings):

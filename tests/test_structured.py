@@ -172,14 +172,13 @@ def test_generate_without_a_grammar_refuses_json_schema_in_the_engine(smollm2):
 def server(fast_smollm2):
     pytest.importorskip("fastapi")
     pytest.importorskip("openai")
-    from test_server import Server
+    from test_server import Server, running
 
     torch.manual_seed(0)
     model, tokenizer = fast_smollm2
-    s = Server(model, tokenizer, LLMEngine(model, num_blocks=256, block_size=16, max_batch_tokens=32))
-    yield s
-    s.uvicorn.should_exit = True
-    s.thread.join(timeout=10)
+    yield from running(
+        Server(model, tokenizer, LLMEngine(model, num_blocks=256, block_size=16, max_batch_tokens=32))
+    )
 
 
 def test_server_response_format_json_schema_on_both_endpoints(server):
