@@ -153,7 +153,7 @@ def _read_json(path: Path) -> dict:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
+def safetensors_files(folder: Path) -> list[Path]:
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
     if single.is_file():
         return [single]
@@ -178,7 +178,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
 def read_safetensors(folder: Path) -> dict[str, Tensor]:
     """Every tensor of the folder's (possibly sharded) safetensors, by the file's names."""
     tensors: dict[str, Tensor] = {}
-    for f in _safetensors_files(folder):
+    for f in safetensors_files(folder):
         try:
             part = load_file(f)
         except (SafetensorError, OSError) as e:
@@ -190,7 +190,8 @@ def read_safetensors(folder: Path) -> dict[str, Tensor]:
     return tensors
 
 
-def _load_folder(folder: Path, dtype: torch.dtype, device: str | torch.device) -> TransformerLM:
+def folder_config(folder: Path) -> ModelConfig:
+    """The ModelConfig of a folder's config.json (CheckpointError if it has none or an unknown type)."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{folder} has no config.json")
@@ -200,7 +201,11 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: str | torch.device) -
             f"{config_path}: unknown model_type {hf.get('model_type')!r} "
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
-    cfg = ModelConfig.from_hf(hf)  # a ConfigError (e.g. heads not dividing D) passes through
+    return ModelConfig.from_hf(hf)  # a ConfigError (e.g. heads not dividing D) passes through
+
+
+def _load_folder(folder: Path, dtype: torch.dtype, device: str | torch.device) -> TransformerLM:
+    cfg = folder_config(folder)
     tensors = read_safetensors(folder)
     names = ours_to_hf if uses_hf_names(cfg) else (lambda name: name)
     return build_model(cfg, tensors, names, str(folder), dtype, device, ignore=_HF_IGNORED.fullmatch)

@@ -338,13 +338,16 @@ def ours_to_gguf(name: str) -> str:
     return name
 
 
+def read_tensor(gguf: GGUFFile, name: str, cfg: ModelConfig) -> Tensor:
+    """One tensor of the file as float32, Q/K rows back in rotate-half order."""
+    t = gguf.tensors[name]
+    w = torch.from_numpy(dequantize(gguf.raw(name), t.qtype).reshape(t.shape))
+    heads = {"attn_q.weight": cfg.n_heads, "attn_k.weight": cfg.n_kv_heads}.get(name.split(".", 2)[-1])
+    if heads is not None and w.shape[0] == heads * cfg.head_dim:  # a misshaped one is reported later
+        w = unpermute_qk(w, heads)
+    return w
+
+
 def read_tensors(gguf: GGUFFile, cfg: ModelConfig) -> dict[str, Tensor]:
-    """Every tensor of the file as float32, by GGUF name, with Q/K rows back in rotate-half order."""
-    out: dict[str, Tensor] = {}
-    for name, t in gguf.tensors.items():
-        w = torch.from_numpy(dequantize(gguf.raw(name), t.qtype).reshape(t.shape))
-        heads = {"attn_q.weight": cfg.n_heads, "attn_k.weight": cfg.n_kv_heads}.get(name.split(".", 2)[-1])
-        if heads is not None and w.shape[0] == heads * cfg.head_dim:  # a misshaped one is reported later
-            w = unpermute_qk(w, heads)
-        out[name] = w
-    return out
+    """Every tensor of the file as float32, by GGUF name (`read_tensor`)."""
+    return {name: read_tensor(gguf, name, cfg) for name in gguf.tensors}

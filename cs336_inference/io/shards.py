@@ -1,0 +1,87 @@
+"""Reading a checkpoint one tensor, or one slice of a tensor, at a time (for a tensor-parallel rank).
+
+`checkpoint_tensors(path)` gives the model's config and a reader: reader(where) yields each weight
+of the model by our state-dict name, cut to where(name) = (dim, start, stop) (None: whole). From a
+safetensors folder only the slice is read from disk; a GGUF tensor is dequantized alone and then
+cut. Every full tensor's shape is checked against the config first, as load_pretrained does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+from safetensors import safe_open
+from torch import Tensor
+
+from ..config import ModelConfig
+from ..model import TransformerLM
+from . import gguf_read
+from .checkpoint import folder_config, ours_to_hf, safetensors_files, uses_hf_names
+from .sources import CheckpointError, resolve_checkpoint
+
+Where = Callable[[str], "tuple[int, int, int] | None"]
+Reader = Callable[[Where], Iterator[tuple[str, Tensor]]]
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight's name and full shape (a model on the meta device: nothing allocated)."""
+    model = TransformerLM.empty(cfg, device="meta")
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def _check(source: str, fname: str, shape: tuple[int, ...], want: tuple[int, ...]) -> None:
+    if shape != want:
+        raise CheckpointError(f"{source}: tensor {fname} has shape {shape}, expected {want} from the config")
+
+
+def _cut(tensor: Tensor, where) -> Tensor:
+    if where is None:
+        return tensor
+    dim, start, stop = where
+    return tensor.narrow(dim, start, stop - start)
+
+
+def checkpoint_tensors(path: str | os.PathLike) -> tuple[ModelConfig, Reader]:
+    source = resolve_checkpoint(path)
+    if source.kind == "gguf":
+        gguf = gguf_read.read_gguf(source.path)
+        cfg = gguf_read.config_from_metadata(gguf.metadata, set(gguf.tensors))
+        shapes = expected_shapes(cfg)
+
+        def read_gguf(where: Where) -> Iterator[tuple[str, Tensor]]:
+            for name, want in shapes.items():
+                fname = gguf_read.ours_to_gguf(name)
+                if fname not in gguf.tensors:
+                    raise CheckpointError(f"{source.path}: missing tensor {fname}")
+                full = gguf_read.read_tensor(gguf, fname, cfg)
+                _check(str(source.path), fname, tuple(full.shape), want)
+                yield name, _cut(full, where(name)).clone()  # the full tensor is dropped here
+
+        return cfg, read_gguf
+
+    folder = source.path
+    cfg = folder_config(folder)
+    shapes = expected_shapes(cfg)
+    file_name = ours_to_hf if uses_hf_names(cfg) else (lambda name: name)
+    files = {}
+    for f in safetensors_files(folder):
+        with safe_open(f, framework="pt") as handle:
+            files.update(dict.fromkeys(handle.keys(), f))
+
+    def read_folder(where: Where) -> Iterator[tuple[str, Tensor]]:
+        for name, want in shapes.items():
+            fname = file_name(name)
+            if fname not in files:
+                raise CheckpointError(f"{folder}: missing tensor {fname}")
+            with safe_open(files[fname], framework="pt") as handle:
+                part = handle.get_slice(fname)
+                _check(str(folder), fname, tuple(part.get_shape()), want)
+                cut = where(name)
+                if cut is None:
+                    yield name, part[:]
+                else:
+                    dim, start, stop = cut
+                    yield name, part[start:stop] if dim == 0 else part[:, start:stop]
+
+    return cfg, read_folder

@@ -1,0 +1,70 @@
+"""Starting tp processes from Python (tests, benchmarks, notebooks): torchrun's job, in-process.
+
+spawn(fn, world_size, *args) starts world_size fresh processes joined in one torch.distributed
+group (gloo on CPU, NCCL when backend="nccl"), through a rendezvous file in a temporary folder (no
+network port: 127.0.0.1 at most), runs fn(*args) on each and returns what each rank returned, rank
+0 first. fn must be importable by name (a module-level function), as multiprocessing requires.
+A rank that raises fails the call with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world: int, rendezvous: str, backend: str, threads: int, fn, args, results) -> None:
+    try:
+        torch.set_num_threads(threads)
+        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+        try:
+            results.put((rank, True, fn(*args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args,
+    backend: str = "gloo",
+    threads: int = 1,
+    timeout_s: float = 1800,
+) -> list[Any]:
+    """fn(*args) on world_size new processes of one group; their return values, by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        rendezvous = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, rendezvous, backend, threads, fn, args, results))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        try:
+            while len(out) < world_size:
+                try:
+                    rank, ok, value = results.get(timeout=timeout_s)
+                except queue.Empty:
+                    raise RuntimeError(f"tensor-parallel ranks silent for {timeout_s:.0f} s") from None
+                if not ok:
+                    raise RuntimeError(f"rank {rank} failed:\n{value}")
+                out[rank] = value
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    return [out[r] for r in range(world_size)]
