@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help='write only JSON that the JSON schema in FILE accepts ({"type": "object"}: any object)',
     )
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        metavar="N",
+        help="shard the model over N processes (launch with torchrun --nproc-per-node N; readable layers)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (text + statistics) on stdout")
     return p
 
@@ -172,6 +178,12 @@ def check_args(args: argparse.Namespace) -> None:
             ) from None
         if not isinstance(args.json_schema, dict):
             raise UsageError("--json-schema: the file must hold a JSON object (a schema)")
+    if args.tensor_parallel is not None:
+        if args.tensor_parallel < 1:
+            raise UsageError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+        if args.draft is not None or args.compile:
+            raise UsageError("--tensor-parallel runs the readable layers: drop --draft / --compile")
+        args.eager = True
     if args.prompt_arg is not None and args.prompt is not None:
         raise UsageError("give the prompt either as an argument or with --prompt, not both")
     if args.model is not None:
@@ -204,6 +216,8 @@ def native_mode(model) -> str | None:
 
 def describe_path(args: argparse.Namespace, step_mode: str | None) -> str:
     """The stderr line's words for the path that runs."""
+    if args.tensor_parallel is not None:
+        return f"eager (readable PyTorch), tensor parallel over {args.tensor_parallel} processes"
     if args.eager:
         return "eager (readable PyTorch)"
     if step_mode == "native":
@@ -226,6 +240,17 @@ def run(args: argparse.Namespace) -> int:
     from cs336_inference.sampling import SamplingParams, stream_generate
 
     threads_note = ""
+    rank, tp = 0, args.tensor_parallel
+    if tp is not None:
+        from cs336_inference.parallel.launch import common_seed, init_from_torchrun
+
+        try:
+            rank, _ = init_from_torchrun(tp)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        torch.manual_seed(common_seed(args.seed))  # unseeded sampling draws alike on every rank
+        if args.threads is None:
+            args.threads = max(1, (os.cpu_count() or 1) // tp)
     if args.threads is None:
         from cs336_inference.fast.threads import auto_threads
 
@@ -234,7 +259,12 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     try:
         source = args.model if args.model is not None else default_model_path()
-        model = load_pretrained(source, dtype=getattr(torch, args.dtype))
+        if tp is not None:
+            from cs336_inference.parallel import load_sharded
+
+            model = load_sharded(source, dtype=getattr(torch, args.dtype))
+        else:
+            model = load_pretrained(source, dtype=getattr(torch, args.dtype))
         tokenizer = load_tokenizer(source)
     except (ValueError, OSError, ConfigError) as e:  # CheckpointError is a ValueError
         raise UsageError(f"cannot load model {args.model or 'SmolLM2-135M-Instruct'}: {e}") from None
@@ -286,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
     stop_ids = list(dict.fromkeys(list(tokenizer.eos_token_ids) + model.config.eos_token_ids))
 
     stream = Detokenizer(tokenizer, args.stop or ())
-    out = None if args.json else sys.stdout
+    out = None if args.json or rank != 0 else sys.stdout  # under tensor parallelism rank 0 speaks
     stopped = False
     params = SamplingParams(max_new, args.temperature, args.top_k, args.top_p, args.seed, stop_ids)
     spec_stats = None
@@ -378,6 +408,13 @@ def run(args: argparse.Namespace) -> int:
     if spec_stats is not None:
         spec = spec_stats.as_dict()
         stats["speculative"] = {"draft": args.draft, **spec}
+    if tp is not None:
+        import torch.distributed as dist
+
+        stats["tensor_parallel"] = tp
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0
     if args.json:
         stats = {"text": stream.text, "token_ids": stream.ids, **stats}
         print(json.dumps(stats))

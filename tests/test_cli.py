@@ -299,3 +299,45 @@ def test_json_schema_gives_json_the_schema_accepts(tmp_path):
     path.write_text(json.dumps({"type": "array", "uniqueItems": True}))
     bad = run_cli("--json-schema", str(path), *FAST, "hi")
     assert bad.returncode == 2 and "--json-schema" in bad.stderr and "uniqueItems" in bad.stderr, bad.stderr
+
+
+def run_torchrun(nproc: int, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # --standalone: a rendezvous on a free port of this machine
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd += [str(SCRIPT), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_torchrun_tensor_parallel_gives_the_single_process_tokens(tiny_checkpoint):
+    """torchrun --nproc-per-node 2 ... --tensor-parallel 2: greedy and seeded sampling give one
+    process's tokens, and only rank 0 prints."""
+    base = ["--model", str(tiny_checkpoint), "--raw", "--json", "--max-new-tokens", "12", "--eager", *FAST]
+    for extra in ([], ["--temperature", "1", "--seed", "5"]):
+        alone = run_cli(*base, *extra, words(10))
+        sharded = run_torchrun(2, *base, *extra, "--tensor-parallel", "2", words(10))
+        assert alone.returncode == 0 and sharded.returncode == 0, sharded.stderr[-2000:]
+        lines = [line for line in sharded.stdout.splitlines() if line.startswith("{")]
+        assert len(lines) == 1, f"one JSON line (rank 0's), got {sharded.stdout!r}"
+        got, want = json.loads(lines[0]), json.loads(alone.stdout)
+        assert got["token_ids"] == want["token_ids"], f"{extra}: sharded tokens differ"
+        assert got["tensor_parallel"] == 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tensor-parallel", "2"], "torchrun --nproc-per-node 2"),
+        (["--tensor-parallel", "0"], "--tensor-parallel must be >= 1"),
+        (["--tensor-parallel", "2", "--draft", "ngram"], "--tensor-parallel"),
+    ],
+)
+def test_tensor_parallel_without_its_launcher_is_a_one_line_error(tiny_checkpoint, args, message):
+    result = run_cli("--model", str(tiny_checkpoint), "--raw", *args, words(3))
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_torchrun_with_the_wrong_world_size_is_an_error(tiny_checkpoint):
+    result = run_torchrun(2, "--model", str(tiny_checkpoint), "--raw", "--tensor-parallel", "4", words(3))
+    assert result.returncode != 0 and "torchrun started 2 processes" in result.stderr, result.stderr[-2000:]

@@ -68,3 +68,28 @@ def spawn(
                 if p.is_alive():
                     p.kill()
     return [out[r] for r in range(world_size)]
+
+
+def init_from_torchrun(tp: int, device: str = "cpu") -> tuple[int, int]:
+    """Join the group torchrun set up (its RANK / WORLD_SIZE / MASTER_ADDR variables): gloo on the
+    CPU, NCCL on CUDA. ValueError (one line) without torchrun or with a world size that is not tp."""
+    world = os.environ.get("WORLD_SIZE")
+    if world is None or "RANK" not in os.environ:
+        raise ValueError(
+            f"--tensor-parallel {tp} runs one process per shard: launch with "
+            f"torchrun --nproc-per-node {tp} scripts/generate.py --tensor-parallel {tp} ..."
+        )
+    if int(world) != tp:
+        raise ValueError(f"--tensor-parallel {tp} but torchrun started {world} processes (--nproc-per-node)")
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def common_seed(seed: int | None) -> int:
+    """One seed for every rank (rank 0's choice when none is given): seeding each rank's global RNG
+    with it makes unseeded sampling draw the same tokens everywhere."""
+    box = [seed if seed is not None else int(torch.randint(0, 2**62, ()).item())]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
