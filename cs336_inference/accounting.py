@@ -404,6 +404,90 @@ def draft_cost_ratio(draft: ModelConfig, target: ModelConfig) -> float:
     return num_params(draft) / num_params(target)
 
 
+# ------------------------------------------------------------------------- tensor parallelism
+# Links between accelerators, one direction: an H100's NVLink 4 moves 900 GB/s both ways (450e9 each
+# way); PCIe Gen4 x16 about 32e9 B/s each way (25e9 is typical of what a copy gets). The latency is
+# a small all-reduce step's fixed cost (launch, synchronisation), a few microseconds.
+NVLINK_BANDWIDTH, NVLINK_LATENCY = 450e9, 5e-6
+PCIE_BANDWIDTH, PCIE_LATENCY = 25e9, 10e-6
+
+
+def tp_allreduce_bytes(cfg: ModelConfig, B: int, T: int, dtype_bytes: int = 2) -> int:
+    """Bytes of activations all-reduced by one forward under tensor parallelism: after o_proj and
+    after down_proj in every layer, and once for the vocab-parallel embedding, B x T x D each."""
+    return (2 * cfg.n_layers + 1) * B * T * cfg.d_model * dtype_bytes
+
+
+def ring_allreduce_time(n_bytes: float, tp: int, bandwidth: float, latency: float) -> float:
+    """Seconds for a ring all-reduce of n_bytes over tp ranks: a reduce-scatter and an all-gather,
+    2 (tp - 1) steps in each of which every rank sends n_bytes / tp to its neighbour."""
+    if tp == 1:
+        return 0.0
+    return 2 * (tp - 1) * (latency + n_bytes / tp / bandwidth)
+
+
+def ring_allgather_time(n_bytes: float, tp: int, bandwidth: float, latency: float) -> float:
+    """Seconds for a ring all-gather that leaves every rank n_bytes (n_bytes / tp from each)."""
+    if tp == 1:
+        return 0.0
+    return (tp - 1) * (latency + n_bytes / tp / bandwidth)
+
+
+def tp_kv_heads(cfg: ModelConfig, tp: int) -> int:
+    """K/V heads each rank holds: K / tp, or one replicated head when K < tp."""
+    return max(cfg.n_kv_heads // tp, 1)
+
+
+def tp_weight_bytes_per_rank(cfg: ModelConfig, tp: int, dtype_bytes: int = 2) -> int:
+    """Weight bytes one of tp ranks holds: 1/tp of every split matrix (q, k, v, o, gate, up, down,
+    embedding, output) and a whole K/V head where K < tp (replicated); norms left out, as
+    `num_params` leaves them out, so tp = 1 gives dtype_bytes * num_params (V divisible by tp)."""
+    if cfg.is_mla:
+        raise ValueError("the per-rank weight count models MHA/GQA/MQA attention, not MLA")
+    D, Fd, N, H, L, V = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.head_dim, cfg.n_layers, cfg.vocab_size
+    owners = len({cfg.kv_owner(i) for i in range(L)})
+    vocab = -(-V // tp) * D * (1 if cfg.tie_embeddings else 2)
+    per_layer = 2 * D * N * H // tp + 3 * D * Fd // tp
+    kv = owners * 2 * D * H * tp_kv_heads(cfg, tp)
+    return dtype_bytes * (vocab + L * per_layer + kv)
+
+
+def tp_kv_bytes_per_token_per_rank(cfg: ModelConfig, tp: int, dtype_bytes: int = 2) -> int:
+    """KV-cache bytes per token on one rank: its K/V heads only (the cache is sharded with them)."""
+    if cfg.is_mla:
+        return kv_cache_bytes_per_token(cfg, dtype_bytes)  # the latents are replicated
+    owners = len({cfg.kv_owner(i) for i in range(cfg.n_layers)})
+    return owners * 2 * tp_kv_heads(cfg, tp) * cfg.head_dim * dtype_bytes
+
+
+def tp_decode_step(
+    cfg: ModelConfig,
+    B: int,
+    S: int,
+    tp: int,
+    bandwidth: float = H100_BANDWIDTH,
+    link_bandwidth: float = NVLINK_BANDWIDTH,
+    link_latency: float = NVLINK_LATENCY,
+    dtype_bytes: int = 2,
+) -> dict[str, float]:
+    """The predicted decode step under tensor parallelism (memory-bound, as `decode_latency`).
+
+    memory: each rank reads its own weights and KV caches, about 1/tp of the whole, in parallel.
+    communication: 2L + 1 all-reduces of B x D activations and the all-gather of B x V logits,
+    which do not shrink with tp (they grow: 2 (tp - 1) steps each). step = memory + communication
+    (no overlap assumed).
+    """
+    _check_positive(bandwidth=bandwidth, link_bandwidth=link_bandwidth)
+    held = tp_weight_bytes_per_rank(cfg, tp, dtype_bytes) + B * S * tp_kv_bytes_per_token_per_rank(
+        cfg, tp, dtype_bytes
+    )
+    memory = held / bandwidth
+    one = B * cfg.d_model * dtype_bytes
+    comm = (2 * cfg.n_layers + 1) * ring_allreduce_time(one, tp, link_bandwidth, link_latency)
+    comm += ring_allgather_time(B * cfg.vocab_size * dtype_bytes, tp, link_bandwidth, link_latency)
+    return dict(memory_s=memory, communication_s=comm, step_s=memory + comm, bytes_per_rank=held)
+
+
 # ------------------------------------------------------------------------- presets
 def llama2_7b() -> ModelConfig:
     return ModelConfig(

@@ -9,6 +9,8 @@ folder gives the same weights as cutting the whole model.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -150,3 +152,98 @@ def test_load_sharded_reads_the_same_slices_as_cutting_the_whole_model(tmp_path)
     save_pretrained(tiny("untied"), tmp_path / "ckpt")
     for rank, same in enumerate(spawn(load_from_folder, 2, str(tmp_path / "ckpt"))):
         assert all(same.values()), f"rank {rank}: differs in {[n for n, ok in same.items() if not ok]}"
+
+
+# ------------------------------------------------------------------ the communication accounting
+def count_collectives() -> dict:
+    """Run on each rank: the all-reduces and all-gathers of one sharded forward, and their bytes."""
+    import torch.distributed as dist
+
+    from cs336_inference.parallel import shard_model
+
+    seen = {"all_reduce": [], "all_gather": []}
+    real = {name: getattr(dist, name) for name in seen}
+
+    def recorder(name):
+        def call(tensor, *args, **kwargs):
+            t = tensor if isinstance(tensor, torch.Tensor) else args[0]
+            seen[name].append(t.numel() * t.element_size())
+            return real[name](tensor, *args, **kwargs)
+
+        return call
+
+    tp = shard_model(tiny("gqa"))
+    for name in seen:
+        setattr(dist, name, recorder(name))
+    try:
+        with torch.inference_mode():
+            tp(torch.zeros(3, 5, dtype=torch.long))
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    return seen
+
+
+def test_the_forward_all_reduces_what_the_accounting_counts():
+    from cs336_inference.accounting import tp_allreduce_bytes
+
+    cfg = ModelConfig(**{**TINY, **VARIANTS["gqa"]})
+    for rank, seen in enumerate(spawn(count_collectives, 2)):
+        assert len(seen["all_reduce"]) == 2 * cfg.n_layers + 1, f"rank {rank}: {seen}"
+        assert sum(seen["all_reduce"]) == tp_allreduce_bytes(cfg, 3, 5, dtype_bytes=4), f"rank {rank}"
+        assert seen["all_gather"] == [3 * 5 * -(-cfg.vocab_size // 2) * 4], f"rank {rank}: the logits"
+
+
+def ring_allreduce_traffic(n: int, tp: int) -> int:
+    """Play a ring all-reduce out on numbers: each rank's vector in tp chunks; reduce-scatter (step s:
+    rank r sends chunk r - s to rank r + 1, which adds it), then all-gather (the finished chunks go
+    round). Checks every rank ends with the sum; returns the bytes one rank sent (4 per number)."""
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randn(tp, n // 4 // tp, generator=g, dtype=torch.float64) for _ in range(tp)]
+    total = sum(d.clone() for d in data)
+    sent = [0] * tp
+    for step in range(tp - 1):
+        outgoing = [(r, (r - step) % tp, data[r][(r - step) % tp].clone()) for r in range(tp)]
+        for r, c, chunk in outgoing:
+            data[(r + 1) % tp][c] += chunk
+            sent[r] += chunk.numel() * 4
+    for step in range(tp - 1):  # rank r now holds the finished chunk r + 1 - step
+        outgoing = [(r, (r + 1 - step) % tp, data[r][(r + 1 - step) % tp].clone()) for r in range(tp)]
+        for r, c, chunk in outgoing:
+            data[(r + 1) % tp][c] = chunk
+            sent[r] += chunk.numel() * 4
+    for r in range(tp):
+        torch.testing.assert_close(data[r], total, msg=f"rank {r} does not hold the sum")
+    assert len(set(sent)) == 1
+    return sent[0]
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_ring_allreduce_time_is_its_traffic_over_the_bandwidth(tp):
+    from cs336_inference.accounting import ring_allreduce_time
+
+    n = 8 * 1024 * 1024
+    assert ring_allreduce_time(n, tp, bandwidth=1e9, latency=0.0) * 1e9 == pytest.approx(
+        ring_allreduce_traffic(n, tp)
+    )
+    assert ring_allreduce_time(n, tp, 1e9, 1e-5) - ring_allreduce_time(n, tp, 1e9, 0.0) == pytest.approx(
+        2 * (tp - 1) * 1e-5
+    ), "one latency per step"
+    assert ring_allreduce_time(n, 1, 1e9, 1e-5) == 0.0
+
+
+def test_tp_step_prediction_halves_memory_and_adds_communication():
+    from cs336_inference.accounting import (
+        decode_latency,
+        llama2_13b,
+        tp_decode_step,
+        tp_weight_bytes_per_rank,
+    )
+
+    cfg = llama2_13b()
+    one, two = tp_decode_step(cfg, 8, 1024, 1), tp_decode_step(cfg, 8, 1024, 2)
+    assert one["step_s"] == decode_latency(cfg, 8, 1024) and one["communication_s"] == 0.0
+    assert two["memory_s"] == pytest.approx(one["memory_s"] / 2), "N = K = 40: everything splits"
+    assert two["communication_s"] > 0
+    mqa = dataclasses.replace(cfg, n_kv_heads=1)
+    assert tp_weight_bytes_per_rank(mqa, 8) > tp_weight_bytes_per_rank(mqa, 1) / 8, "a replicated K/V head"
