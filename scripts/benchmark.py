@@ -37,6 +37,13 @@ for the schemas of evals/json_schemas.json; end to end, the engine with and with
 
     python scripts/benchmark.py grammar --markdown docs/measured/grammar.md
 
+`tp`: tensor parallelism on this machine (tp = 1 and 2 gloo processes sharing the cores): the decode
+step split into compute and communication, bytes per rank, gloo's all-reduce against the ring
+formula; and the accounting's predicted step for Llama-2 13B / 70B on H100s over NVLink and PCIe
+(cs336_inference/bench/parallel.py).
+
+    python scripts/benchmark.py tp --markdown docs/measured/tp.md
+
 `http`: scripts/serve.py (continuous and static batching) and llama.cpp's server (llama-cpp-python,
 if installed) on the same GGUF, driven over HTTP by the `openai` client from another process at
 Poisson arrival rates: throughput, TTFT, TPOT, latency percentiles, a plot (cs336_inference/bench/http.py).
@@ -67,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -453,6 +461,20 @@ def run_grammar(args: argparse.Namespace) -> dict:
     return result
 
 
+def run_tp(args: argparse.Namespace) -> dict:
+    """`tp`: tensor parallelism's step split into compute and communication (cs336_inference.bench.parallel)."""
+    from cs336_inference.bench import parallel
+
+    tps = numbers(args.tps, "--tps")
+    if not tps or min(tps) < 1 or args.batch < 1 or args.context < 1 or args.steps < 1:
+        raise BenchmarkError("--tps, --batch, --context and --steps must be >= 1")
+    threads = args.threads or os.cpu_count() or 1
+    result = parallel.tp_benchmark(tps, args.batch, args.context, args.steps, threads, log=log)
+    result["crossover"] = parallel.crossover_table()
+    result["table"] = parallel.format_tp_table(result)
+    return result
+
+
 def run_http(args: argparse.Namespace) -> dict:
     """`http`: servers over HTTP from a client process (cs336_inference.bench.http)."""
     import importlib.util
@@ -640,6 +662,13 @@ def main(argv: list[str] | None = None) -> int:
     con.add_argument("--prompt-len", type=int, default=64, help="prompt tokens")
     con.add_argument("--steps", type=int, default=16, help="timed decode steps per row and phase")
     con.add_argument("--out", type=Path, help="write the results as JSON here")
+    tpp = sub.add_parser("tp", help="tensor parallelism: step time, communication, bytes per rank")
+    tpp.add_argument("--tps", default="1,2", help="tensor-parallel sizes (comma-separated)")
+    tpp.add_argument("--batch", type=int, default=1, help="sequences decoding together")
+    tpp.add_argument("--context", type=int, default=64, help="tokens in the cache")
+    tpp.add_argument("--steps", type=int, default=20, help="timed decode steps")
+    tpp.add_argument("--threads", type=int, help="CPU threads in all, shared by the ranks (default: all)")
+    tpp.add_argument("--out", type=Path, help="write the results as JSON here")
     gra = sub.add_parser("grammar", help="structured output: the JSON grammar's mask cost per token")
     gra.add_argument("--model", help="checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     gra.add_argument(
@@ -711,6 +740,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_http(args)
         elif args.command == "grammar":
             result = run_grammar(args)
+        elif args.command == "tp":
+            result = run_tp(args)
         else:
             if args.runs < 1 or args.new_tokens < 2:
                 raise BenchmarkError(
@@ -724,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     table = (
         result["table"]
         if args.command
-        in ("quant", "speculative", "gpu", "kernels", "engine", "contention", "http", "grammar")
+        in ("quant", "speculative", "gpu", "kernels", "engine", "contention", "http", "grammar", "tp")
         else format_report(result)
     )
     print(table)

@@ -297,3 +297,17 @@ def test_grammar_benchmark_replays_every_schema_and_writes_its_table():
     assert 0 < ours["mask_us_median"] <= ours["mask_us_p99"]
     table = grammar.format_grammar_table(r)
     assert "| llguidance | 3 |" in table and "tok/s with the mask" in table, table
+
+
+def test_tp_benchmark_splits_the_step_and_halves_the_bytes():
+    """benchmark.py tp, briefly: tp = 1 and 2 gloo processes, bytes per rank halved, the table."""
+    from cs336_inference.bench import parallel
+
+    r = parallel.tp_benchmark([1, 2], B=1, S=8, steps=2, threads=2, log=lambda *_: None)
+    one, two = r["rows"]
+    assert two["weight_bytes"] * 2 == pytest.approx(one["weight_bytes"], rel=1e-3), "weights per rank halve"
+    assert two["kv_bytes"] * 2 == one["kv_bytes"], "the cache per rank halves (4 K/V heads over 2 ranks)"
+    assert one["comm_s"] == 0 < two["comm_s"] <= two["step_s"] and two["predicted_comm_s"] > 0
+    r["crossover"] = parallel.crossover_table()
+    table = parallel.format_tp_table(r)
+    assert "| 2 |" in table and "llama2-70b | PCIe | 8" in table, table

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cs336_inference import ModelConfig, TransformerLM, generate
-from cs336_inference.parallel import ShardingError, plan
+from cs336_inference.parallel import ShardingError, shard_plan
 from cs336_inference.parallel.launch import spawn
 
 TINY = dict(vocab_size=67, d_model=64, n_layers=2, n_heads=8, d_ff=96, max_seq_len=64)
@@ -125,7 +125,7 @@ def padding(cfg: ModelConfig, tp: int) -> int:
 def test_a_size_that_does_not_divide_is_a_one_line_error(overrides, tp, message):
     cfg = ModelConfig(**{**TINY, **overrides})
     with pytest.raises(ShardingError, match=message) as e:
-        plan(cfg, tp, 0)
+        shard_plan(cfg, tp, 0)
     assert "\n" not in str(e.value)
 
 

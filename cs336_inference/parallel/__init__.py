@@ -5,8 +5,8 @@ from .tensor_parallel import (
     ShardingError,
     TensorParallelLM,
     load_sharded,
-    plan,
     shard_model,
+    shard_plan,
 )
 
-__all__ = ["Shard", "ShardingError", "TensorParallelLM", "load_sharded", "plan", "shard_model"]
+__all__ = ["Shard", "ShardingError", "TensorParallelLM", "load_sharded", "shard_plan", "shard_model"]

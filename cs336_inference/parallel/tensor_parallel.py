@@ -54,7 +54,7 @@ class Shard:
     vocab_rows: int  # rows each shard stores (the short one padded with zeros)
 
 
-def plan(cfg: ModelConfig, tp: int, rank: int) -> Shard:
+def shard_plan(cfg: ModelConfig, tp: int, rank: int) -> Shard:
     """Rank `rank`'s share; ShardingError if tp does not divide what must be split."""
     if not 0 <= rank < tp:
         raise ShardingError(f"rank {rank} is not in 0..{tp - 1}")
@@ -213,7 +213,7 @@ def group_shard(cfg: ModelConfig, group=None) -> Shard:
         raise ShardingError(
             "tensor parallelism needs torch.distributed: launch with torchrun --nproc-per-node N"
         )
-    return plan(cfg, dist.get_world_size(group), dist.get_rank(group))
+    return shard_plan(cfg, dist.get_world_size(group), dist.get_rank(group))
 
 
 @torch.no_grad()
