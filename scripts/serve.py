@@ -57,7 +57,19 @@ def main(argv: list[str] | None = None) -> int:
         "else no key)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: one per idle core)")
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        metavar="N",
+        help="shard the model over N processes (torchrun --nproc-per-node N; readable layers)",
+    )
     args = p.parse_args(argv)
+    if args.tensor_parallel is not None:
+        if args.tensor_parallel < 1:
+            p.error("--tensor-parallel must be >= 1")
+        if args.quantize or args.static_batching:
+            p.error("--tensor-parallel serves the readable float layers: drop --quantize / --static-batching")
+        args.eager = True
     if args.max_batch_tokens is None:
         # on the fast path a step of up to 32 rows is one native call over the paged cache; a longer
         # prompt chunk would run the readable forward, slower per token (docs/serving.md)
@@ -81,6 +93,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
+    rank = 0
+    if args.tensor_parallel is not None:
+        from cs336_inference.parallel.launch import init_from_torchrun
+
+        try:
+            rank, _ = init_from_torchrun(args.tensor_parallel, script="scripts/serve.py")
+        except ValueError as e:
+            print(f"serve.py: {e}", file=sys.stderr)
+            return 2
+        args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.tensor_parallel)
     torch.set_num_threads(args.threads or auto_threads()[0])  # a busy machine: fewer threads, no stalls
 
     from cs336_inference.io.checkpoint import default_model_path, load_pretrained
@@ -90,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         source = args.model or default_model_path()
-        model = load_pretrained(source, dtype=getattr(torch, args.dtype)).eval()
+        if args.tensor_parallel is not None:
+            from cs336_inference.parallel import load_sharded
+
+            model = load_sharded(source, dtype=getattr(torch, args.dtype))
+        else:
+            model = load_pretrained(source, dtype=getattr(torch, args.dtype)).eval()
         tokenizer = load_tokenizer(source)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"serve.py: {e}", file=sys.stderr)
@@ -104,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
 
         install(model)  # the products through the kernels (the same function; --eager: the readable one)
     name = args.name or Path(str(source).rstrip("/")).name.split(".")[0]
+    if rank != 0:  # tensor parallel: rank 0 schedules and samples, this rank follows its steps
+        from cs336_inference.parallel.serving import follow
+
+        follow(model, args.num_blocks, args.block_size)
+        return 0
     engine = LLMEngine(
         model,
         num_blocks=args.num_blocks,
@@ -119,12 +151,21 @@ def main(argv: list[str] | None = None) -> int:
         path += f", weights in {args.quantize}"
     if api_key:
         path += ", API key required"
+    if args.tensor_parallel is not None:
+        from cs336_inference.parallel.serving import lead, stop_followers
+
+        lead(engine)
+        path += f", tensor parallel over {args.tensor_parallel} processes"
     print(
         f"serving {name!r} on http://{args.host}:{args.port}/v1; {path}, {torch.get_num_threads()} threads",
         file=sys.stderr,
     )
     app = create_app(engine, tokenizer, name, api_key=api_key)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        if args.tensor_parallel is not None:
+            stop_followers()
     return 0
 
 

@@ -327,7 +327,7 @@ def test_torchrun_tensor_parallel_gives_the_single_process_tokens(tiny_checkpoin
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--tensor-parallel", "2"], "torchrun --nproc-per-node 2"),
+        (["--tensor-parallel", "2"], "--nproc-per-node 2"),
         (["--tensor-parallel", "0"], "--tensor-parallel must be >= 1"),
         (["--tensor-parallel", "2", "--draft", "ngram"], "--tensor-parallel"),
     ],

@@ -247,3 +247,54 @@ def test_tp_step_prediction_halves_memory_and_adds_communication():
     assert two["communication_s"] > 0
     mqa = dataclasses.replace(cfg, n_kv_heads=1)
     assert tp_weight_bytes_per_rank(mqa, 8) > tp_weight_bytes_per_rank(mqa, 1) / 8, "a replicated K/V head"
+
+
+# ------------------------------------------------------------------ the serving engine under tp
+ENGINE_PROMPTS = [[(7 * i + 3 * j) % 61 + 1 for j in range(5 + 3 * i)] for i in range(5)]
+
+
+def serve_sharded(variant: str) -> dict:
+    """Rank 0 runs the engine on its shard (a block budget that forces preemption and copy-on-write,
+    n samples, log-probabilities); the other ranks follow."""
+    import torch.distributed as dist
+
+    from cs336_inference.parallel import shard_model
+    from cs336_inference.parallel.serving import follow, lead, stop_followers
+    from cs336_inference.serving import LLMEngine, SamplingParams
+
+    tp = shard_model(tiny(variant))
+    if dist.get_rank() != 0:
+        return {"steps": follow(tp, num_blocks=14, block_size=4)}
+    engine = LLMEngine(tp, num_blocks=14, block_size=4, max_batch_tokens=16)
+    lead(engine)
+    params = [
+        SamplingParams(max_new_tokens=12, stop_token_ids=(), logprobs=1),
+        SamplingParams(max_new_tokens=12, temperature=1.0, seed=4, n=2, stop_token_ids=()),
+    ] * 3
+    runs = engine.run(ENGINE_PROMPTS, params[: len(ENGINE_PROMPTS)])
+    stop_followers()
+    return {
+        "samples": [[s.new_token_ids for s in run] for run in runs],
+        "logprobs": [[e.logprob for e in run[0].logprobs] if run[0].logprobs else None for run in runs],
+        "stats": engine.stats(),
+    }
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mqa", "mla"])
+def test_the_engine_on_a_sharded_model_equals_generate(variant):
+    from cs336_inference.sampling import SamplingParams
+
+    leader, follower = spawn(serve_sharded, 2, variant)
+    whole = tiny(variant)
+    assert leader["stats"]["preemptions"] > 0 and leader["stats"]["free_blocks"] == 14
+    assert follower["steps"] == leader["stats"]["steps"], "the follower ran every step the leader did"
+    for i, (prompt, samples) in enumerate(zip(ENGINE_PROMPTS, leader["samples"], strict=True)):
+        if i % 2 == 0:
+            p = SamplingParams(max_new_tokens=12, stop_token_ids=(), logprobs=1)
+            tokens, lps = generate(whole, prompt, params=p, return_logprobs=True)
+            assert samples == [tokens.tolist()], f"{variant}, request {i} (greedy)"
+            assert leader["logprobs"][i] == pytest.approx([e.logprob for e in lps], abs=1e-4)
+        else:
+            for j, got in enumerate(samples):
+                want = generate(whole, prompt, 12, temperature=1.0, seed=4 + j, stop_token_ids=[]).tolist()
+                assert got == want, f"{variant}, request {i}, sample {j}"

@@ -70,14 +70,14 @@ def spawn(
     return [out[r] for r in range(world_size)]
 
 
-def init_from_torchrun(tp: int, device: str = "cpu") -> tuple[int, int]:
+def init_from_torchrun(tp: int, device: str = "cpu", script: str = "scripts/generate.py") -> tuple[int, int]:
     """Join the group torchrun set up (its RANK / WORLD_SIZE / MASTER_ADDR variables): gloo on the
     CPU, NCCL on CUDA. ValueError (one line) without torchrun or with a world size that is not tp."""
     world = os.environ.get("WORLD_SIZE")
     if world is None or "RANK" not in os.environ:
         raise ValueError(
             f"--tensor-parallel {tp} runs one process per shard: launch with "
-            f"torchrun --nproc-per-node {tp} scripts/generate.py --tensor-parallel {tp} ..."
+            f"torchrun --standalone --nproc-per-node {tp} {script} --tensor-parallel {tp} ..."
         )
     if int(world) != tp:
         raise ValueError(f"--tensor-parallel {tp} but torchrun started {world} processes (--nproc-per-node)")

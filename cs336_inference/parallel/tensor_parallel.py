@@ -197,6 +197,12 @@ class TensorParallelLM(nn.Module):
     def layers(self) -> nn.ModuleList:
         return self.local.layers
 
+    @property
+    def cache_config(self) -> ModelConfig:
+        """What this rank's KV cache holds per layer: its own K/V heads (the serving engine's paged
+        cache is sized by it)."""
+        return self.local.config
+
     def new_cache(self, *args, **kwargs):
         return self.local.new_cache(*args, **kwargs)
 

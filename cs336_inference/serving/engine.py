@@ -107,7 +107,9 @@ class LLMEngine:
         self.config = model.config
         self.device = model.embed.weight.device
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
-        self.cache = PagedKVCache(self.config, num_blocks, block_size, model.norm.weight.dtype, self.device)
+        # a tensor-parallel shard caches only its own K/V heads (parallel/: model.cache_config)
+        cache_config = getattr(model, "cache_config", self.config)
+        self.cache = PagedKVCache(cache_config, num_blocks, block_size, model.norm.weight.dtype, self.device)
         self.scheduler = Scheduler(self.blocks, self.cache.copy_block, max_batch_tokens, max_batch_seqs)
         # static batching (the baseline, for benchmarks): a new batch is admitted only once every
         # sequence of the last one has finished; steps, cache and sampling as continuous batching
