@@ -298,3 +298,51 @@ def test_the_engine_on_a_sharded_model_equals_generate(variant):
             for j, got in enumerate(samples):
                 want = generate(whole, prompt, 12, temperature=1.0, seed=4 + j, stop_token_ids=[]).tolist()
                 assert got == want, f"{variant}, request {i}, sample {j}"
+
+
+@pytest.mark.slow
+def test_torchrun_serve_py_tensor_parallel_answers_as_generate(tmp_path):
+    """torchrun --standalone --nproc-per-node 2 scripts/serve.py --tensor-parallel 2 on a tiny model
+    with SmolLM2's tokenizer, asked through the openai client: generate's text, greedy and seeded."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    openai = pytest.importorskip("openai")
+    from cs336_inference.bench.http import wait_ready
+    from cs336_inference.io.checkpoint import default_model_path, save_pretrained
+    from cs336_inference.io.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_path())
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=tok.vocab_size, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
+        max_seq_len=256, eos_token_id=tok.eos_token_ids,
+    )  # fmt: skip
+    model = TransformerLM(cfg).eval()
+    save_pretrained(model, tmp_path)
+    tok.backend.save(str(tmp_path / "tokenizer.json"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(repo / "scripts" / "serve.py"), "--tensor-parallel", "2", "--model", str(tmp_path)]
+    cmd += ["--port", str(port), "--name", "tiny", "--num-blocks", "32"]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        wait_ready(port, proc, 600, lambda m: None)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        ids = tok.encode("The capital of France is")
+        for settings in (dict(temperature=0.0), dict(temperature=1.0, seed=3)):
+            out = client.completions.create(
+                model="tiny", prompt=ids, max_tokens=10, extra_body={"ignore_eos": True}, **settings
+            )
+            want = generate(model, ids, 10, stop_token_ids=[], **settings).tolist()
+            assert out.choices[0].text == tok.decode(want), f"{settings}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
