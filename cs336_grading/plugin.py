@@ -158,6 +158,7 @@ class GradingPlugin:
             context.__exit__(None, None, None)
         if self.trace_path:
             sys.setprofile(None)
+            threading.setprofile(None)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(self, item):
@@ -189,6 +190,7 @@ class GradingPlugin:
                     called.add(problem)
 
         sys.setprofile(profile)
+        threading.setprofile(profile)  # and threads the test starts (Part 8's simulated ranks)
 
     # ---------------------------------------------------------------- reporting (controller only)
     def pytest_runtest_logreport(self, report):

@@ -415,7 +415,9 @@ PCIE_BANDWIDTH, PCIE_LATENCY = 25e9, 10e-6
 def tp_allreduce_bytes(cfg: ModelConfig, B: int, T: int, dtype_bytes: int = 2) -> int:
     """Bytes of activations all-reduced by one forward under tensor parallelism: after o_proj and
     after down_proj in every layer, and once for the vocab-parallel embedding, B x T x D each."""
+    # BEGIN SOLUTION tp_accounting
     return (2 * cfg.n_layers + 1) * B * T * cfg.d_model * dtype_bytes
+    # END SOLUTION
 
 
 def ring_allreduce_time(n_bytes: float, tp: int, bandwidth: float, latency: float) -> float:
@@ -423,19 +425,25 @@ def ring_allreduce_time(n_bytes: float, tp: int, bandwidth: float, latency: floa
     2 (tp - 1) steps in each of which every rank sends n_bytes / tp to its neighbour."""
     if tp == 1:
         return 0.0
+    # BEGIN SOLUTION tp_accounting
     return 2 * (tp - 1) * (latency + n_bytes / tp / bandwidth)
+    # END SOLUTION
 
 
 def ring_allgather_time(n_bytes: float, tp: int, bandwidth: float, latency: float) -> float:
     """Seconds for a ring all-gather that leaves every rank n_bytes (n_bytes / tp from each)."""
     if tp == 1:
         return 0.0
+    # BEGIN SOLUTION tp_accounting
     return (tp - 1) * (latency + n_bytes / tp / bandwidth)
+    # END SOLUTION
 
 
 def tp_kv_heads(cfg: ModelConfig, tp: int) -> int:
     """K/V heads each rank holds: K / tp, or one replicated head when K < tp."""
+    # BEGIN SOLUTION tp_accounting
     return max(cfg.n_kv_heads // tp, 1)
+    # END SOLUTION
 
 
 def tp_weight_bytes_per_rank(cfg: ModelConfig, tp: int, dtype_bytes: int = 2) -> int:
@@ -446,10 +454,12 @@ def tp_weight_bytes_per_rank(cfg: ModelConfig, tp: int, dtype_bytes: int = 2) ->
         raise ValueError("the per-rank weight count models MHA/GQA/MQA attention, not MLA")
     D, Fd, N, H, L, V = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.head_dim, cfg.n_layers, cfg.vocab_size
     owners = len({cfg.kv_owner(i) for i in range(L)})
+    # BEGIN SOLUTION tp_accounting
     vocab = -(-V // tp) * D * (1 if cfg.tie_embeddings else 2)
     per_layer = 2 * D * N * H // tp + 3 * D * Fd // tp
     kv = owners * 2 * D * H * tp_kv_heads(cfg, tp)
     return dtype_bytes * (vocab + L * per_layer + kv)
+    # END SOLUTION
 
 
 def tp_kv_bytes_per_token_per_rank(cfg: ModelConfig, tp: int, dtype_bytes: int = 2) -> int:
@@ -457,7 +467,9 @@ def tp_kv_bytes_per_token_per_rank(cfg: ModelConfig, tp: int, dtype_bytes: int =
     if cfg.is_mla:
         return kv_cache_bytes_per_token(cfg, dtype_bytes)  # the latents are replicated
     owners = len({cfg.kv_owner(i) for i in range(cfg.n_layers)})
+    # BEGIN SOLUTION tp_accounting
     return owners * 2 * tp_kv_heads(cfg, tp) * cfg.head_dim * dtype_bytes
+    # END SOLUTION
 
 
 def tp_decode_step(

@@ -34,6 +34,7 @@ EXPECTED = {
     "05_speculative.ipynb",
     "06_pruning.ipynb",
     "07_serving.ipynb",
+    "08_sharding.ipynb",
 }
 CELL_TIMEOUT = 600  # seconds per cell; the notebooks take well under 2 minutes on an idle CPU
 HANDOUT = REPO / "assignments" / "handout.md"

@@ -194,44 +194,6 @@ def test_the_forward_all_reduces_what_the_accounting_counts():
         assert seen["all_gather"] == [3 * 5 * -(-cfg.vocab_size // 2) * 4], f"rank {rank}: the logits"
 
 
-def ring_allreduce_traffic(n: int, tp: int) -> int:
-    """Play a ring all-reduce out on numbers: each rank's vector in tp chunks; reduce-scatter (step s:
-    rank r sends chunk r - s to rank r + 1, which adds it), then all-gather (the finished chunks go
-    round). Checks every rank ends with the sum; returns the bytes one rank sent (4 per number)."""
-    g = torch.Generator().manual_seed(0)
-    data = [torch.randn(tp, n // 4 // tp, generator=g, dtype=torch.float64) for _ in range(tp)]
-    total = sum(d.clone() for d in data)
-    sent = [0] * tp
-    for step in range(tp - 1):
-        outgoing = [(r, (r - step) % tp, data[r][(r - step) % tp].clone()) for r in range(tp)]
-        for r, c, chunk in outgoing:
-            data[(r + 1) % tp][c] += chunk
-            sent[r] += chunk.numel() * 4
-    for step in range(tp - 1):  # rank r now holds the finished chunk r + 1 - step
-        outgoing = [(r, (r + 1 - step) % tp, data[r][(r + 1 - step) % tp].clone()) for r in range(tp)]
-        for r, c, chunk in outgoing:
-            data[(r + 1) % tp][c] = chunk
-            sent[r] += chunk.numel() * 4
-    for r in range(tp):
-        torch.testing.assert_close(data[r], total, msg=f"rank {r} does not hold the sum")
-    assert len(set(sent)) == 1
-    return sent[0]
-
-
-@pytest.mark.parametrize("tp", [2, 4, 8])
-def test_ring_allreduce_time_is_its_traffic_over_the_bandwidth(tp):
-    from cs336_inference.accounting import ring_allreduce_time
-
-    n = 8 * 1024 * 1024
-    assert ring_allreduce_time(n, tp, bandwidth=1e9, latency=0.0) * 1e9 == pytest.approx(
-        ring_allreduce_traffic(n, tp)
-    )
-    assert ring_allreduce_time(n, tp, 1e9, 1e-5) - ring_allreduce_time(n, tp, 1e9, 0.0) == pytest.approx(
-        2 * (tp - 1) * 1e-5
-    ), "one latency per step"
-    assert ring_allreduce_time(n, 1, 1e9, 1e-5) == 0.0
-
-
 def test_tp_step_prediction_halves_memory_and_adds_communication():
     from cs336_inference.accounting import (
         decode_latency,

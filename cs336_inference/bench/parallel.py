@@ -121,6 +121,32 @@ def rank_run(B: int, S: int, steps: int, threads: int) -> dict:
     return out
 
 
+@torch.inference_mode()
+def compare_with_whole(B: int = 2, T: int = 12, new_tokens: int = 16) -> dict:
+    """On each rank: the sharded model's logits and greedy tokens against the whole model's (both
+    built from the same seed in this rank's memory), and the bytes each holds."""
+    from ..parallel import shard_model
+    from ..sampling import generate
+
+    cfg = bench_config()
+    torch.manual_seed(0)
+    whole = TransformerLM(cfg).eval()
+    shard = shard_model(whole)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(1))
+    diff = (shard(ids) - whole(ids)).abs().max().item()
+    same = (
+        generate(shard, ids[0], new_tokens, stop_token_ids=[]).tolist()
+        == generate(whole, ids[0], new_tokens, stop_token_ids=[]).tolist()
+    )
+    return dict(
+        rank=dist.get_rank(),
+        max_logit_difference=diff,
+        same_greedy_tokens=same,
+        shard_weight_bytes=sum(t.nbytes for t in shard.local.state_dict().values()),
+        whole_weight_bytes=sum(t.nbytes for t in whole.state_dict().values()),
+    )
+
+
 def tp_benchmark(tps: list[int], B: int, S: int, steps: int, threads: int, log=print) -> dict:
     from ..parallel.launch import spawn
 

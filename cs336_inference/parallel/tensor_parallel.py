@@ -66,14 +66,8 @@ def shard_plan(cfg: ModelConfig, tp: int, rank: int) -> Shard:
     n = N // tp
     if cfg.is_mla:
         kv = range(0)  # the latents are not split by head
-    elif K >= tp:
-        if K % tp:
-            raise ShardingError(f"--tensor-parallel {tp} does not divide the {K} key/value heads")
-        kv = range(rank * K // tp, (rank + 1) * K // tp)
     else:
-        if tp % K:
-            raise ShardingError(f"{K} key/value heads cannot be replicated evenly over {tp} ranks")
-        kv = range(rank // (tp // K), rank // (tp // K) + 1)  # query heads r*n.. read this one
+        kv = kv_heads_of_rank(K, tp, rank)
     rows = -(-V // tp)
     return Shard(
         tp, rank, range(rank * n, (rank + 1) * n), kv, range(rank * Fd // tp, (rank + 1) * Fd // tp),
@@ -93,8 +87,32 @@ def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
     )
 
 
+def kv_heads_of_rank(K: int, tp: int, rank: int) -> range:
+    """The K/V heads rank `rank` of tp holds: K/tp of them when tp divides K; when K < tp, the one
+    head its query heads read (query head n reads K/V head n // (N/K)), replicated on tp/K ranks.
+    ShardingError when neither tp divides K nor K divides tp."""
+    # BEGIN SOLUTION tp_layer
+    if K >= tp:
+        if K % tp:
+            raise ShardingError(f"--tensor-parallel {tp} does not divide the {K} key/value heads")
+        return range(rank * K // tp, (rank + 1) * K // tp)
+    if tp % K:
+        raise ShardingError(f"{K} key/value heads cannot be replicated evenly over {tp} ranks")
+    head = rank // (tp // K)
+    return range(head, head + 1)
+    # END SOLUTION
+
+
 def slice_of(name: str, cfg: ModelConfig, shard: Shard) -> tuple[int, int, int] | None:
-    """(dim, start, stop) of the full tensor `name` that the shard holds; None: replicated whole."""
+    """(dim, start, stop) of the full tensor `name` (a state-dict name, weight [out, in] or bias
+    [out]) that the shard holds; None: replicated whole.
+
+    Column parallel (split the output, dim 0): q_proj by the shard's query heads, k_proj / v_proj by
+    its K/V heads (H rows each), gate_proj / up_proj by its neurons; a bias goes with its rows. Row
+    parallel (split the input, dim 1): o_proj by the query heads, down_proj by the neurons; their
+    output is all-reduced, so a bias of theirs is not split (None). The embedding and output matrix
+    split by vocabulary rows; norms are whole.
+    """
     parts = name.split(".")
     leaf, kind = (parts[-2] if len(parts) > 1 else ""), parts[-1]
     H = cfg.head_dim
@@ -108,6 +126,7 @@ def slice_of(name: str, cfg: ModelConfig, shard: Shard) -> tuple[int, int, int] 
         if leaf == "o_proj" and kind == "weight":
             return 1, shard.heads.start * cfg.v_head_dim, shard.heads.stop * cfg.v_head_dim
         return None  # q_a_proj, kv_a_proj and the latent norms: replicated
+    # BEGIN SOLUTION tp_layer
     if leaf == "q_proj":
         return 0, shard.heads.start * H, shard.heads.stop * H
     if leaf in ("k_proj", "v_proj"):
@@ -119,6 +138,7 @@ def slice_of(name: str, cfg: ModelConfig, shard: Shard) -> tuple[int, int, int] 
     if leaf == "down_proj" and kind == "weight":
         return 1, shard.neurons.start, shard.neurons.stop
     return None  # norms
+    # END SOLUTION
 
 
 def take(tensor: Tensor, where: tuple[int, int, int] | None) -> Tensor:
@@ -143,9 +163,14 @@ class RowParallelLinear(Linear):
     group: dist.ProcessGroup | None = None
 
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
+        """x holds this rank's slice of the input features; the output is the whole y = x W^T + b on
+        every rank: the partial products summed by one all-reduce (dist.all_reduce, in place, over
+        self.group), the bias (whole on every rank) added once, after the sum."""
+        # BEGIN SOLUTION tp_layer
         y = F.linear(x, self.weight)
         dist.all_reduce(y, group=self.group)
         return y if self.bias is None else y + self.bias
+        # END SOLUTION
 
 
 class VocabParallelEmbedding(Embedding):
@@ -157,11 +182,16 @@ class VocabParallelEmbedding(Embedding):
     owned: int = 0  # real rows (the last shard may hold padding rows after them)
 
     def forward(self, ids: Int[Tensor, "B T"]) -> Float[Tensor, "B T D"]:
+        """Rows of the whole table for every id, on every rank: this rank looks up the ids in
+        first..first+owned-1 (its row id - first), zeros for every other id, then one all-reduce
+        (dist.all_reduce over self.group) sums the ranks' contributions."""
+        # BEGIN SOLUTION vocab_parallel
         local = ids - self.first
         mine = (local >= 0) & (local < self.owned)
         x = F.embedding(local.clamp(0, self.owned - 1), self.weight) * mine[..., None]
         dist.all_reduce(x, group=self.group)
         return x
+        # END SOLUTION
 
 
 def gather_vocab(logits: Float[Tensor, "... v"], V: int, group=None) -> Float[Tensor, "... V"]:
