@@ -179,3 +179,23 @@ def test_n_samples_survive_preemption_and_aborting_one_sample():
     for i in (0, 2):
         assert sum(len(o.new_token_ids) for o in outs if o.index == i) == 19, f"sample {i} ran to the end"
     assert engine.stats()["free_blocks"] == 64
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", ["gqa", "sliding"])
+def test_samples_logprobs_and_window_on_a_gpu(variant):
+    """The engine on CUDA: n seeded samples from one prefill, log-probabilities, and (sliding) blocks
+    given back as they leave the window; each sample equals generate on the GPU with its seed."""
+    model = tiny_model(variant).cuda()
+    prompt = prompts(1, seed=11)[0] * 3
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=21, n=3, logprobs=2, stop_token_ids=())
+    engine = LLMEngine(model, num_blocks=32, block_size=4, max_batch_tokens=8)
+    samples = engine.run([prompt], params)[0]
+    for s in samples:
+        p = SamplingParams(**{**params.__dict__, "seed": 21 + s.index, "n": 1})
+        tokens, lps = generate(model, prompt, params=p, return_logprobs=True)
+        assert s.new_token_ids == tokens.tolist(), f"{variant}, sample {s.index}"
+        assert [e.logprob for e in s.logprobs] == pytest.approx([e.logprob for e in lps], abs=1e-6)
+    assert engine.stats()["free_blocks"] == 32
+    if variant == "sliding":
+        assert engine.stats()["window_released_blocks"] > 0
