@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations")
     p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the model runs (cuda: the readable layers on the GPU; with --tensor-parallel, one GPU per rank)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -178,6 +184,10 @@ def check_args(args: argparse.Namespace) -> None:
             ) from None
         if not isinstance(args.json_schema, dict):
             raise UsageError("--json-schema: the file must hold a JSON object (a schema)")
+    if args.device == "cuda":
+        if args.draft is not None or args.compile:
+            raise UsageError("--device cuda runs the readable layers: drop --draft / --compile")
+        args.eager = True
     if args.tensor_parallel is not None:
         if args.tensor_parallel < 1:
             raise UsageError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
@@ -216,8 +226,11 @@ def native_mode(model) -> str | None:
 
 def describe_path(args: argparse.Namespace, step_mode: str | None) -> str:
     """The stderr line's words for the path that runs."""
+    on = " on the GPU" if args.device == "cuda" else ""
     if args.tensor_parallel is not None:
-        return f"eager (readable PyTorch), tensor parallel over {args.tensor_parallel} processes"
+        return f"eager (readable PyTorch){on}, tensor parallel over {args.tensor_parallel} processes"
+    if args.device == "cuda":
+        return "eager (readable PyTorch) on the GPU"
     if args.eager:
         return "eager (readable PyTorch)"
     if step_mode == "native":
@@ -240,12 +253,14 @@ def run(args: argparse.Namespace) -> int:
     from cs336_inference.sampling import SamplingParams, stream_generate
 
     threads_note = ""
-    rank, tp = 0, args.tensor_parallel
+    rank, tp, device = 0, args.tensor_parallel, args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: this machine has no CUDA GPU")
     if tp is not None:
         from cs336_inference.parallel.launch import common_seed, init_from_torchrun
 
         try:
-            rank, _ = init_from_torchrun(tp)
+            rank, device = init_from_torchrun(tp, device)
         except ValueError as e:
             raise UsageError(str(e)) from None
         torch.manual_seed(common_seed(args.seed))  # unseeded sampling draws alike on every rank
@@ -262,9 +277,9 @@ def run(args: argparse.Namespace) -> int:
         if tp is not None:
             from cs336_inference.parallel import load_sharded
 
-            model = load_sharded(source, dtype=getattr(torch, args.dtype))
+            model = load_sharded(source, dtype=getattr(torch, args.dtype), device=device)
         else:
-            model = load_pretrained(source, dtype=getattr(torch, args.dtype))
+            model = load_pretrained(source, dtype=getattr(torch, args.dtype), device=device)
         tokenizer = load_tokenizer(source)
     except (ValueError, OSError, ConfigError) as e:  # CheckpointError is a ValueError
         raise UsageError(f"cannot load model {args.model or 'SmolLM2-135M-Instruct'}: {e}") from None

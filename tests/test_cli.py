@@ -62,6 +62,7 @@ def run_cli(*args: str, stdin: str | None = None, timeout: float = 900) -> subpr
         (["--stop", "a", "--stop", "b", "--stop", "c", "--stop", "d", "--stop", "e"], "--stop"),
         (["--stop", ""], "--stop"),
         (["--json-schema", "missing.json"], "--json-schema"),
+        (["--device", "cuda", "--draft", "ngram"], "--device"),
         (["--draft", "ngram", "--json-schema", "missing.json"], "--json-schema"),
     ],
 )
@@ -341,3 +342,21 @@ def test_tensor_parallel_without_its_launcher_is_a_one_line_error(tiny_checkpoin
 def test_torchrun_with_the_wrong_world_size_is_an_error(tiny_checkpoint):
     result = run_torchrun(2, "--model", str(tiny_checkpoint), "--raw", "--tensor-parallel", "4", words(3))
     assert result.returncode != 0 and "torchrun started 2 processes" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.cuda
+def test_device_cuda_alone_and_sharded_give_the_same_tokens(tiny_checkpoint):
+    """--device cuda, alone and under torchrun with 2 ranks (NCCL on 2 GPUs, gloo where they share
+    one): the same tokens, greedy (equal to the CPU's too) and seeded."""
+    base = ["--model", str(tiny_checkpoint), "--raw", "--json", "--max-new-tokens", "12"]
+    cpu = json.loads(run_cli(*base, "--eager", *FAST, words(10)).stdout)["token_ids"]
+    for extra in ([], ["--temperature", "1", "--seed", "5"]):
+        alone = run_cli(*base, "--device", "cuda", *extra, words(10))
+        sharded = run_torchrun(2, *base, "--device", "cuda", "--tensor-parallel", "2", *extra, words(10))
+        assert alone.returncode == 0 and sharded.returncode == 0, (
+            alone.stderr[-2000:] + sharded.stderr[-2000:]
+        )
+        got = json.loads(next(line for line in sharded.stdout.splitlines() if line.startswith("{")))
+        assert got["token_ids"] == json.loads(alone.stdout)["token_ids"], f"{extra}: sharded on the GPU"
+        if not extra:
+            assert got["token_ids"] == cpu, "greedy on the GPU = greedy on the CPU"

@@ -70,9 +70,11 @@ def spawn(
     return [out[r] for r in range(world_size)]
 
 
-def init_from_torchrun(tp: int, device: str = "cpu", script: str = "scripts/generate.py") -> tuple[int, int]:
-    """Join the group torchrun set up (its RANK / WORLD_SIZE / MASTER_ADDR variables): gloo on the
-    CPU, NCCL on CUDA. ValueError (one line) without torchrun or with a world size that is not tp."""
+def init_from_torchrun(tp: int, device: str = "cpu", script: str = "scripts/generate.py") -> tuple[int, str]:
+    """Join the group torchrun set up (its RANK / WORLD_SIZE / MASTER_ADDR variables); returns this
+    rank and its device. On the CPU: gloo. On CUDA: rank r takes GPU LOCAL_RANK (modulo the GPUs
+    there are) and NCCL, or gloo where ranks must share GPUs (NCCL wants one GPU per rank).
+    ValueError (one line) without torchrun, with a world size that is not tp, or with no GPU."""
     world = os.environ.get("WORLD_SIZE")
     if world is None or "RANK" not in os.environ:
         raise ValueError(
@@ -81,10 +83,17 @@ def init_from_torchrun(tp: int, device: str = "cpu", script: str = "scripts/gene
         )
     if int(world) != tp:
         raise ValueError(f"--tensor-parallel {tp} but torchrun started {world} processes (--nproc-per-node)")
-    backend = "nccl" if device.startswith("cuda") else "gloo"
+    backend, where = "gloo", "cpu"
+    if device.startswith("cuda"):
+        gpus = torch.cuda.device_count()
+        if gpus == 0:
+            raise ValueError("--device cuda: this machine has no CUDA GPU")
+        where = f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % gpus}"
+        torch.cuda.set_device(where)
+        backend = "nccl" if gpus >= tp else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend)
-    return dist.get_rank(), dist.get_world_size()
+    return dist.get_rank(), where
 
 
 def common_seed(seed: int | None) -> int:
