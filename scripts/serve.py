@@ -45,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the model runs (cuda: the readable layers on the GPU; with --tensor-parallel, one GPU per rank)",
+    )
+    p.add_argument(
         "--quantize",
         choices=QUANTIZE,
         help="serve the weights quantized to this format, the output matrix too (default: as loaded)",
@@ -64,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         help="shard the model over N processes (torchrun --nproc-per-node N; readable layers)",
     )
     args = p.parse_args(argv)
+    if args.device == "cuda":
+        if args.quantize:
+            p.error("--device cuda serves the readable float layers: drop --quantize")
+        args.eager = True
     if args.tensor_parallel is not None:
         if args.tensor_parallel < 1:
             p.error("--tensor-parallel must be >= 1")
@@ -93,12 +103,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
-    rank = 0
+    rank, device = 0, args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("serve.py: --device cuda: this machine has no CUDA GPU", file=sys.stderr)
+        return 2
     if args.tensor_parallel is not None:
         from cs336_inference.parallel.launch import init_from_torchrun
 
         try:
-            rank, _ = init_from_torchrun(args.tensor_parallel, script="scripts/serve.py")
+            rank, device = init_from_torchrun(args.tensor_parallel, device, script="scripts/serve.py")
         except ValueError as e:
             print(f"serve.py: {e}", file=sys.stderr)
             return 2
@@ -115,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.tensor_parallel is not None:
             from cs336_inference.parallel import load_sharded
 
-            model = load_sharded(source, dtype=getattr(torch, args.dtype))
+            model = load_sharded(source, dtype=getattr(torch, args.dtype), device=device)
         else:
-            model = load_pretrained(source, dtype=getattr(torch, args.dtype)).eval()
+            model = load_pretrained(source, dtype=getattr(torch, args.dtype), device=device).eval()
         tokenizer = load_tokenizer(source)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"serve.py: {e}", file=sys.stderr)
@@ -147,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     api_key = args.api_key or os.environ.get("CS336_API_KEY") or None
     path = "eager (readable PyTorch)" if args.eager else "fast path (kernels installed)"
+    if device != "cpu":
+        path += f" on {device}"
     if args.quantize:
         path += f", weights in {args.quantize}"
     if api_key:
