@@ -158,9 +158,10 @@ def sampled_logprobs(
 ) -> Float[Tensor, "B V"]:
     """log-probabilities of the distribution sample_next_token draws from.
 
-    temperature > 0: log-softmax of `filter_logits` (fp32), so a token outside the kept set has -inf. Greedy (temperature 0) has no distribution to draw from; it reports the
-    model's own one, log-softmax of the raw logits (temperature 1, nothing filtered): what scoring a
-    text needs, and what the chosen token's log-probability means to a reader.
+    temperature > 0: log-softmax of `filter_logits` (fp32), so a token outside the kept set has
+    -inf. Greedy (temperature 0) has no distribution to draw from; it reports the model's own one,
+    log-softmax of the raw logits (temperature 1, nothing filtered): what scoring a text needs, and
+    what the chosen token's log-probability means to a reader.
     """
     if temperature == 0.0:
         return logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(dim=-1)

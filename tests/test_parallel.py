@@ -31,12 +31,17 @@ VARIANTS = {
     "mla": dict(**MLA_DIMS),
     "mla_qlora": dict(**MLA_DIMS, q_lora_rank=16),
     "untied": dict(n_kv_heads=4, tie_embeddings=False),
+    "qkv_bias": dict(n_kv_heads=4, qkv_bias=True),
 }
 
 
 def tiny(variant: str) -> TransformerLM:
     torch.manual_seed(0)
-    return TransformerLM(ModelConfig(**{**TINY, **VARIANTS[variant]})).eval()
+    model = TransformerLM(ModelConfig(**{**TINY, **VARIANTS[variant]})).eval()
+    for name, p in model.named_parameters():  # biases start at zero: give them values to split
+        if name.endswith("bias"):
+            torch.nn.init.normal_(p, std=0.5, generator=torch.Generator().manual_seed(2))
+    return model
 
 
 def cache_bytes(cache) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ import torch
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
+from cs336_inference.bench.grammar import load_schemas, schema_prompt  # noqa: E402
 from cs336_inference.io.checkpoint import default_model_path, load_pretrained  # noqa: E402
 from cs336_inference.io.tokenizer import load_tokenizer  # noqa: E402
 from cs336_inference.sampling import SamplingParams, generate  # noqa: E402
@@ -27,7 +27,7 @@ from cs336_inference.serving import LLMEngine  # noqa: E402
 from cs336_inference.serving.choices import TokenStrings  # noqa: E402
 from cs336_inference.structured import JsonGrammar  # noqa: E402
 
-SCHEMAS = json.loads((Path(__file__).resolve().parents[1] / "evals" / "json_schemas.json").read_text())
+SCHEMAS = load_schemas()
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +48,6 @@ def fast_smollm2():
 @pytest.fixture(scope="module")
 def grammar(smollm2):
     return JsonGrammar(smollm2[1])
-
-
-def chat_prompt(tokenizer, schema) -> list[int]:
-    messages = [{"role": "user", "content": "Reply with JSON only, for this schema: " + json.dumps(schema)}]
-    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
 
 def reply_text(tokenizer, ids: list[int]) -> str:
@@ -121,7 +116,7 @@ def test_a_schema_that_does_not_compile_is_a_one_line_error(grammar, schema, why
 def test_engine_samples_valid_json_for_every_schema_and_the_unmasked_control_fails(fast_smollm2, grammar):
     model, tokenizer = fast_smollm2
     engine = LLMEngine(model, num_blocks=256, block_size=16, max_batch_tokens=32, grammar=grammar)
-    prompts = [chat_prompt(tokenizer, s) for s in SCHEMAS.values()]
+    prompts = [schema_prompt(tokenizer, s) for s in SCHEMAS.values()]
     params = [
         SamplingParams(max_new_tokens=200, temperature=1.0, seed=i, n=2, json_schema=s)
         for i, s in enumerate(SCHEMAS.values())
@@ -148,7 +143,7 @@ def test_engine_samples_valid_json_for_every_schema_and_the_unmasked_control_fai
 def test_engine_equals_generate_with_the_same_matcher(smollm2, grammar, temperature):
     model, tokenizer = smollm2
     names = ["nested_address", "shape_union"]
-    prompts = [chat_prompt(tokenizer, SCHEMAS[n]) for n in names]
+    prompts = [schema_prompt(tokenizer, SCHEMAS[n]) for n in names]
     params = [
         SamplingParams(max_new_tokens=50, temperature=temperature, seed=i, json_schema=SCHEMAS[n])
         for i, n in enumerate(names)

@@ -30,7 +30,8 @@ def load_schemas(path: Path = SCHEMAS) -> dict[str, dict]:
     return json.loads(path.read_text())
 
 
-def _prompt(tokenizer, schema: dict) -> list[int]:
+def schema_prompt(tokenizer, schema: dict) -> list[int]:
+    """A chat prompt asking for JSON that follows the schema (what the benchmark and tests send)."""
     messages = [{"role": "user", "content": "Reply with JSON only, for this schema: " + json.dumps(schema)}]
     return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
@@ -93,7 +94,7 @@ def grammar_benchmark(
     model, tokenizer, schemas: dict[str, dict], seed: int = 0, log: Callable = print
 ) -> dict:
     grammar = JsonGrammar(tokenizer)
-    prompts = [_prompt(tokenizer, s) for s in schemas.values()]
+    prompts = [schema_prompt(tokenizer, s) for s in schemas.values()]
     params = [
         SamplingParams(max_new_tokens=200, temperature=1.0, seed=seed + i, json_schema=s)
         for i, s in enumerate(schemas.values())

@@ -104,6 +104,12 @@ def copy_weight_(dst: Tensor, src: Tensor) -> None:
         dst.copy_(src)
 
 
+def check_shape(source: str, fname: str, shape: tuple[int, ...], want: tuple[int, ...]) -> None:
+    """CheckpointError (one line) for a tensor whose shape is not the one the config gives it."""
+    if shape != want:
+        raise CheckpointError(f"{source}: tensor {fname} has shape {shape}, expected {want} from the config")
+
+
 def build_model(
     cfg: ModelConfig,
     tensors: dict[str, Tensor],
@@ -130,11 +136,7 @@ def build_model(
         if fname not in by_file_name:
             raise CheckpointError(f"{source}: unexpected tensor {fname} (the config has no such weight)")
         name = by_file_name[fname]
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(
-                f"{source}: tensor {fname} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(expected[name].shape)} from the config"
-            )
+        check_shape(source, fname, tuple(tensor.shape), tuple(expected[name].shape))
         state[name] = tensor
     missing = [file_name(name) for name in expected if name not in state]
     if missing:

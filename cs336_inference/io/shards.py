@@ -17,7 +17,7 @@ from torch import Tensor
 from ..config import ModelConfig
 from ..model import TransformerLM
 from . import gguf_read
-from .checkpoint import folder_config, ours_to_hf, safetensors_files, uses_hf_names
+from .checkpoint import check_shape, folder_config, ours_to_hf, safetensors_files, uses_hf_names
 from .sources import CheckpointError, resolve_checkpoint
 
 Where = Callable[[str], "tuple[int, int, int] | None"]
@@ -28,11 +28,6 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every weight's name and full shape (a model on the meta device: nothing allocated)."""
     model = TransformerLM.empty(cfg, device="meta")
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-
-def _check(source: str, fname: str, shape: tuple[int, ...], want: tuple[int, ...]) -> None:
-    if shape != want:
-        raise CheckpointError(f"{source}: tensor {fname} has shape {shape}, expected {want} from the config")
 
 
 def _cut(tensor: Tensor, where) -> Tensor:
@@ -55,7 +50,7 @@ def checkpoint_tensors(path: str | os.PathLike) -> tuple[ModelConfig, Reader]:
                 if fname not in gguf.tensors:
                     raise CheckpointError(f"{source.path}: missing tensor {fname}")
                 full = gguf_read.read_tensor(gguf, fname, cfg)
-                _check(str(source.path), fname, tuple(full.shape), want)
+                check_shape(str(source.path), fname, tuple(full.shape), want)
                 yield name, _cut(full, where(name)).clone()  # the full tensor is dropped here
 
         return cfg, read_gguf
@@ -76,7 +71,7 @@ def checkpoint_tensors(path: str | os.PathLike) -> tuple[ModelConfig, Reader]:
                 raise CheckpointError(f"{folder}: missing tensor {fname}")
             with safe_open(files[fname], framework="pt") as handle:
                 part = handle.get_slice(fname)
-                _check(str(folder), fname, tuple(part.get_shape()), want)
+                check_shape(str(folder), fname, tuple(part.get_shape()), want)
                 cut = where(name)
                 if cut is None:
                     yield name, part[:]

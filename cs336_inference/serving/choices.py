@@ -77,14 +77,25 @@ class TokenStrings:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
+class TextOffsets:
+    """Characters of text before each token, counted as the tokens come (an incremental UTF-8
+    decoder), the text being `start` characters and then the tokens decoded."""
+
+    def __init__(self, strings: TokenStrings, start: int = 0):
+        self.strings, self.chars, self.offsets = strings, start, []
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, ids: list[int]) -> None:
+        for token_id in ids:
+            self.offsets.append(self.chars)
+            self.chars += len(self.decoder.decode(self.strings.bytes(token_id)))
+
+
 def text_offsets(strings: TokenStrings, ids: list[int], start: int = 0) -> list[int]:
     """Characters of text before each token, the text being start characters and then ids decoded."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    offsets, chars = [], start
-    for token_id in ids:
-        offsets.append(chars)
-        chars += len(decoder.decode(strings.bytes(token_id)))
-    return offsets
+    counter = TextOffsets(strings, start)
+    counter.push(ids)
+    return counter.offsets
 
 
 def completion_logprobs(

@@ -60,6 +60,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from cs336_inference.io.detokenize import check_stop_strings
 from cs336_inference.serving import SamplingParams
 from cs336_inference.serving.choices import (
+    TextOffsets,
     TextStream,
     TokenStrings,
     chat_logprobs,
@@ -636,6 +637,7 @@ def create_app(
         text: TextStream
         started: bool = False  # a stream has sent its first chunk (the role; with echo, the prompt)
         sent: int = 0  # tokens whose log-probabilities a stream has sent
+        offsets: TextOffsets | None = None  # text_offset of its tokens, counted once each
 
     async def handle(request: Request, chat: bool):
         parsed = parse(await read_body(request), chat)
@@ -687,8 +689,10 @@ def create_app(
             entries, ids = reply.text.logprobs[first:last], reply.text.logprob_ids[first:last]
             if chat:
                 return chat_logprobs(strings, entries)
-            start = len(echoed(reply))
-            offsets = text_offsets(strings, reply.text.logprob_ids[:last], start)[first:]
+            if reply.offsets is None:
+                reply.offsets = TextOffsets(strings, len(echoed(reply)))
+            reply.offsets.push(reply.text.logprob_ids[len(reply.offsets.offsets) : last])
+            offsets = reply.offsets.offsets[first:last]
             if with_prompt and parsed.echo:
                 prompt = parsed.prompts[reply.prompt]
                 entries = list(prompt_logprobs[reply.prompt] or [None] * len(prompt)) + entries
