@@ -111,10 +111,24 @@ class ForwardContext:
     masks: dict = field(default_factory=dict)
     kv: dict = field(default_factory=dict)  # layer -> (k, v, steps), for CLA borrowers
     paged: Any = None  # serving.paged_attention.PagedBatch: K/V in paged blocks, attention per sequence
+    tree: Bool[Tensor, "T n"] | None = None  # tree drafts: steps tree_start.. are tree nodes (see mask)
+    tree_start: int = 0
 
     def mask(self, steps: Tensor, window: int | None, store) -> Tensor | None:
-        """The mask for these key steps, built once per forward for each kind of layer."""
+        """The mask for these key steps, built once per forward for each kind of layer.
+
+        With a tree (speculative tree drafting and verification), the keys at steps tree_start ..
+        tree_start + n - 1 are n nodes of a tree of drafts: query i sees those that row i of `tree`
+        marks (its ancestors and itself) and every key before tree_start, on top of the causal rule.
+        """
         T = self.q_steps.shape[0]
+        if self.tree is not None:
+            key = ("tree", window, steps.shape[0])
+            if key not in self.masks:
+                rel = steps - self.tree_start
+                in_tree = (rel < 0) | self.tree[:, rel.clamp(min=0, max=self.tree.shape[1] - 1)]
+                self.masks[key] = attention_mask(self.q_steps, steps, window, self.pad) & in_tree[None]
+            return self.masks[key]
         if T == 1 and self.pad is None:
             if isinstance(store, RingKVCache):
                 if store.pos >= store.slots == store.window:

@@ -94,6 +94,7 @@ class TransformerLM(nn.Module):
         cache: KVCache | None = None,
         pad: Int[Tensor, " B"] | None = None,
         last_only: bool = False,
+        return_hidden: bool = False,
     ) -> Float[Tensor, "B T V"]:
         """Logits for every position (only the last one when last_only).
 
@@ -102,7 +103,8 @@ class TransformerLM(nn.Module):
         every step, and passing pad here too is an error. With a cache, the tokens are steps
         cache.pos .. cache.pos + T - 1, and cache.pos advances by T. The logits are the final norm
         of the last block's output times the vocabulary matrix (`vocab_weight`: the embedding when
-        tie_embeddings).
+        tie_embeddings). return_hidden=True returns (logits, h) with h = that final norm's output
+        [B, T, D], the features a trained draft head reads (speculative decoding, EAGLE).
         """
         B, T = input_ids.shape
         start = 0 if cache is None else cache.pos
@@ -134,8 +136,10 @@ class TransformerLM(nn.Module):
         if cache is not None:
             cache.pos = start + T
         # BEGIN SOLUTION transformer_lm
-        return F.linear(self.norm(x), self.vocab_weight)
+        h = self.norm(x)
+        logits = F.linear(h, self.vocab_weight)
         # END SOLUTION
+        return (logits, h) if return_hidden else logits
 
     def forward_paged(self, input_ids: Int[Tensor, " T"], batch) -> Float[Tensor, "n V"]:
         """Selective batching for the serving engine: the new tokens of n sequences in one row.

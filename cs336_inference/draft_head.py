@@ -1,0 +1,290 @@
+"""A trained draft head (EAGLE's design): one decoder layer that drafts from the target's own features.
+
+A token-level draft (a small model, the target quantized) must rebuild from the tokens alone what the
+target has already computed. The head reads it instead. With h_j the target's feature at position j
+(its final norm's output, the vector the output matrix turns into the logits for token j + 1) and
+e(x) the target's embedding of token x:
+
+    input at position j      z_j = W_fc [e(x_j); h_{j-1}]                     (2D -> D)
+    one decoder layer        u_j = block(z_j)   (causal attention over the head's own KV cache)
+    predicted feature        g_j = norm(u_j)  ~  h_j
+    draft logits             g_j W_vocab^T    (the target's output matrix, or its rows of the
+                                               `vocab_ids` most frequent tokens: a truncated head)
+
+Drafting token j + 1 needs h_{j-1}, known once the target has verified x_{j-1}; the head then feeds
+its own prediction g_j as the feature of the next position, k times for k drafts. One step reads the
+head's layer (about 1/30 of SmolLM2's layers) and the output rows, not the target's 30 layers.
+
+Trained (draft_training.py) to regress g_j onto h_j and to predict the target's own argmax; its file
+holds only its own weights: the embedding and the output matrix are the target's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float, Int
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from .attention import ForwardContext
+from .config import ModelConfig
+from .kv_cache import KVCache, StaticKVCache
+from .layers import Linear, RMSNorm, rope_tables
+from .model import TransformerBlock, TransformerLM
+
+CONFIG_NAME, WEIGHTS_NAME = "draft_head.json", "draft_head.safetensors"
+
+
+def head_config(target: ModelConfig) -> ModelConfig:
+    """The head's one-layer config: the target's attention and MLP shapes, full attention, no CLA."""
+    return dataclasses.replace(
+        target, n_layers=1, layer_types=None, sliding_window=None, kv_share=1, tie_embeddings=True
+    )
+
+
+class DraftHead(nn.Module):
+    """fc([e(x); h]) -> one TransformerBlock -> norm: the predicted next feature (see the module doc).
+
+    vocab_ids: the target's token ids the head drafts from ([Vd], sorted by id), None for all V.
+    `attach(target)` borrows the target's embedding and output rows (never saved with the head).
+    """
+
+    def __init__(self, config: ModelConfig, vocab_ids: Int[Tensor, " Vd"] | None = None):
+        super().__init__()
+        self.config = cfg = head_config(config)
+        D = cfg.d_model
+        self.fc = Linear(2 * D, D)
+        self.block = TransformerBlock(cfg, 0)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if vocab_ids is not None:
+            vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long).sort().values
+            if len(vocab_ids) == 0 or int(vocab_ids[0]) < 0 or int(vocab_ids[-1]) >= cfg.vocab_size:
+                raise ValueError(f"vocab_ids must be a non-empty set of ids in [0, {cfg.vocab_size})")
+        self.register_buffer("vocab_ids", vocab_ids, persistent=False)
+        self._target: list[TransformerLM] = []  # a list, so the target is not a submodule
+        self.readout: Tensor | None = None
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.vocab_size if self.vocab_ids is None else len(self.vocab_ids)
+
+    def attach(self, target: TransformerLM, full_vocab: bool = False) -> DraftHead:
+        """Borrow target's embedding and output matrix (its vocab_ids rows unless full_vocab)."""
+        cfg = target.config
+        if (cfg.d_model, cfg.vocab_size) != (self.config.d_model, self.config.vocab_size):
+            raise ValueError(
+                f"the head was made for d_model={self.config.d_model}, V={self.config.vocab_size}; "
+                f"the target has d_model={cfg.d_model}, V={cfg.vocab_size}"
+            )
+        w = target.vocab_weight
+        if type(w) not in (Tensor, nn.Parameter) or not w.is_floating_point():
+            raise ValueError("the draft head needs the target's output matrix in floating point")
+        self._target = [target]
+        self.full_vocab = full_vocab or self.vocab_ids is None
+        rows = w.detach() if self.full_vocab else w.detach()[self.vocab_ids.to(w.device)]
+        self.readout = rows.to(self.fc.weight.dtype).contiguous()
+        return self
+
+    @property
+    def target(self) -> TransformerLM:
+        if not self._target:
+            raise ValueError("the draft head has no target: call head.attach(target) first")
+        return self._target[0]
+
+    def token_ids(self, rows: Int[Tensor, "..."]) -> Int[Tensor, "..."]:
+        """Target token ids of readout rows (the identity for a full-vocabulary readout)."""
+        return rows if self.full_vocab else self.vocab_ids[rows]
+
+    def new_cache(self, capacity: int) -> KVCache:
+        cfg = self.config
+        store = StaticKVCache(1, cfg.n_kv_heads, capacity, cfg.head_dim, cfg.head_dim, self.fc.weight.dtype,
+                              self.fc.weight.device)  # fmt: skip
+        return KVCache([store], capacity)
+
+    def forward(
+        self,
+        tokens: Int[Tensor, "B T"],
+        feats: Float[Tensor, "B T D"],
+        cache: KVCache | None = None,
+        depth: Int[Tensor, " T"] | None = None,
+        tree: Bool[Tensor, "T n"] | None = None,
+        tree_start: int | None = None,
+    ) -> Float[Tensor, "B T D"]:
+        """Predicted features g for inputs (x_j, h_{j-1}); with a cache the T inputs are its next steps.
+
+        depth/tree: the T inputs are nodes of a tree of drafts (tree drafting): input i sits at
+        position cache.pos + depth[i]; the cache's steps from tree_start on are the tree's nodes fed
+        so far and these T, of which input i sees those tree[i] marks (ForwardContext.tree).
+        """
+        B, T = tokens.shape
+        start = 0 if cache is None else cache.pos
+        steps = torch.arange(start, start + T, device=tokens.device)
+        positions = steps if depth is None else start + depth
+        ctx = ForwardContext(steps, start, self.rope_cos[positions][None], self.rope_sin[positions][None],
+                             cache=cache, tree=tree, tree_start=start if tree_start is None else tree_start)  # fmt: skip
+        z = self.fc(torch.cat([self.target.embed(tokens).to(feats.dtype), feats], dim=-1))
+        g = self.norm(self.block(z, ctx))
+        if cache is not None:
+            cache.pos = start + T
+        return g
+
+    def logits(self, g: Float[Tensor, "... D"]) -> Float[Tensor, "... Vd"]:
+        """Draft logits over the head's vocabulary (readout rows; `token_ids` maps them to the target's)."""
+        if self.readout is None:
+            raise ValueError("the draft head has no target: call head.attach(target) first")
+        return F.linear(g, self.readout)
+
+
+def save_draft_head(head: DraftHead, folder: str | Path, extra: dict | None = None) -> None:
+    """folder/draft_head.safetensors (its own weights and vocab_ids) and folder/draft_head.json."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().contiguous() for name, t in head.state_dict().items()}
+    if head.vocab_ids is not None:
+        tensors["vocab_ids"] = head.vocab_ids.cpu()
+    save_file(tensors, str(folder / WEIGHTS_NAME))
+    meta = {"d_model": head.config.d_model, "vocab_size": head.config.vocab_size,
+            "draft_vocab_size": head.draft_vocab_size, **(extra or {})}  # fmt: skip
+    (folder / CONFIG_NAME).write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def load_draft_head(folder: str | Path, target: TransformerLM, full_vocab: bool = False) -> DraftHead:
+    """The head saved in folder, attached to target (ValueError, one line, if it does not fit)."""
+    folder = Path(folder)
+    if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
+        raise ValueError(f"{folder} holds no draft head ({CONFIG_NAME} and {WEIGHTS_NAME})")
+    tensors = load_file(str(folder / WEIGHTS_NAME))
+    vocab_ids = tensors.pop("vocab_ids", None)
+    head = DraftHead(target.config, vocab_ids)
+    want = {name: tuple(t.shape) for name, t in head.state_dict().items()}
+    got = {name: tuple(t.shape) for name, t in tensors.items()}
+    if want != got:
+        raise ValueError(f"the draft head in {folder} does not fit this target (its tensors: {got})")
+    head.load_state_dict(tensors)
+    head = head.to(device=target.embed.weight.device, dtype=target.norm.weight.dtype)
+    return head.attach(target, full_vocab)
+
+
+class HeadDraft:
+    """Drafting with a DraftHead: trees (or chains) of drafts from the target's features.
+
+    Used by speculative_tree.tree_generate, which hands it the target's features of every position its
+    cache gains (`observe`). Each round it first feeds the head the positions it has not seen with
+    their true features (x_j, h_{j-1}), one head pass, whose last output g drafts the first tokens;
+    then it drafts level by level down `shape` (a speculative_tree.TreeShape, or an int k for a chain),
+    each level one head pass over the new nodes with their parents' g as features, attending to the
+    head's cached context and to each node's own ancestors. The head's cache then drops the nodes
+    (the next round feeds the accepted ones again, with the target's features).
+
+    adaptive: each round the depth of the tree is chosen by `speculative_tree.AdaptiveDepth` from the
+    measured acceptance per depth and the measured cost of drafting and verifying each depth;
+    depth 0 (no drafts: a plain decode step) is among the choices.
+    """
+
+    reads_features = True
+
+    def __init__(self, head: DraftHead, shape=4, adaptive: bool = False):
+        from .speculative_tree import AdaptiveDepth, as_shape
+
+        self.head, self.shape = head, as_shape(shape)
+        self.max_depth, self.max_nodes = self.shape.depth, len(self.shape)
+        self.adaptive = AdaptiveDepth(self.shape) if adaptive else None
+        self.model = None  # not a TransformerLM draft (speculative._check_args)
+
+    def reset(self, capacity: int, spare: int) -> None:
+        head = self.head
+        self.cache = head.new_cache(capacity + spare)
+        self.feats = torch.empty(capacity + spare, head.config.d_model, dtype=head.fc.weight.dtype,
+                                 device=head.fc.weight.device)  # fmt: skip
+        self.known = 0  # features of positions 0 .. known - 1 are in self.feats
+        self.fed = 0  # the head's cache holds positions 1 .. fed (position j at step j - 1)
+        if self.adaptive is not None:
+            self.adaptive.reset()
+
+    def observe(self, h: Float[Tensor, "n D"]) -> None:
+        self.feats[self.known : self.known + len(h)] = h.to(self.feats.dtype)
+        self.known += len(h)
+
+    def record(self, tree, path, draft_s: float, verify_s: float) -> None:
+        if self.adaptive is not None:
+            self.adaptive.record(tree, path, draft_s, verify_s)
+
+    def _distribution(self, g: Tensor, params) -> Tensor:
+        """The head's draft distribution over its vocabulary (the target's filters applied)."""
+        from .speculative import sampling_probs
+
+        logits = self.head.logits(g)
+        if params.temperature == 0.0:
+            return logits.float().softmax(-1)
+        return sampling_probs(logits, params.temperature, params.top_k, params.top_p)
+
+    @torch.inference_mode()
+    def propose_tree(self, context: Int[Tensor, " S"], params, generator=None, budget: int | None = None):
+        from .speculative_tree import DraftTree, draw_children, tree_mask
+
+        n, head, device = len(context), self.head, context.device
+        depth = self.shape.depth if budget is None else min(budget, self.shape.depth)
+        if self.adaptive is not None:
+            depth = min(depth, self.adaptive.choose())
+        if self.known != n - 1:
+            raise ValueError(f"the head has the features of {self.known} positions, expected {n - 1}")
+        if depth == 0 or n < 2:
+            return DraftTree(context[-1:], torch.tensor([-1], device=device))
+        shape = self.shape.cut(depth)
+        greedy = params.temperature == 0.0
+        # catch up: positions fed + 1 .. n - 1 with the target's features
+        self.cache.truncate(self.fed)
+        g = head(context[None, self.fed + 1 : n], self.feats[None, self.fed : n - 1], cache=self.cache)[0, -1]
+        self.fed = n - 1
+        T = len(shape)
+        tokens = torch.zeros(T, dtype=torch.long, device=device)
+        tokens[0] = context[-1]
+        probs = None if greedy else torch.zeros(T, head.config.vocab_size, device=device)
+        gs = {0: g}
+        drawn = [True] + [False] * (T - 1)
+        fed_nodes: list[int] = []  # tree nodes in the head's cache, in order (after its n - 1 context steps)
+        level = [0]
+        parents = torch.tensor(shape.parents, device=device)
+        for _ in range(depth):
+            new = []
+            for i in level:
+                m = shape.children(i)
+                if m == 0 or not drawn[i]:
+                    continue
+                p = self._distribution(gs[i], params)
+                picks = draw_children(p, m, greedy, generator)
+                if probs is not None:
+                    probs[i, head.token_ids(torch.arange(len(p), device=device))] = p
+                for r, row in enumerate(picks.tolist()):
+                    child = shape.nodes.index(shape.nodes[i] + (r,))
+                    tokens[child] = head.token_ids(torch.tensor(row, device=device))
+                    drawn[child] = True
+                    new.append(child)
+            if not new or all(shape.children(c) == 0 for c in new):
+                break
+            # one head pass over the new nodes: their parents' g as features, ancestors visible
+            order = fed_nodes + new
+            anc = tree_mask(parents)[new][:, order]
+            feats = torch.stack([gs[int(shape.parents[c])] for c in new])[None]
+            depth_of = torch.tensor([len(shape.nodes[c]) - 1 for c in new], device=device)
+            start = self.cache.pos  # nodes go after the context steps and the nodes fed before
+            out = head(tokens[new][None], feats, cache=self.cache, depth=depth_of + (n - 1 - start),
+                       tree=anc, tree_start=n - 1)[0]  # fmt: skip
+            for c, row in zip(new, out, strict=True):
+                gs[c] = row
+            fed_nodes += new
+            level = new
+        self.cache.truncate(self.fed)
+        keep = [i for i in range(T) if drawn[i]]
+        remap = {old: new_i for new_i, old in enumerate(keep)}
+        kept_parents = [-1] + [remap[shape.parents[i]] for i in keep[1:]]
+        return DraftTree(tokens[keep], torch.tensor(kept_parents, device=device),
+                         None if probs is None else probs[keep])  # fmt: skip

@@ -1,0 +1,382 @@
+"""Training a draft head (draft_head.py) on the target's own outputs, on a CPU.
+
+Three stages, each resumable, driven by scripts/train_draft.py:
+
+1. Data. Prompts are cut from the evaluation text (CPython's pydoc_data.topics; every tenth topic
+   is held out): explain, summarize or rewrite a paragraph, comment or change a piece of its code.
+   The target answers them itself (greedy, the serving engine), so the head learns what the target
+   says, not what a corpus says (self-distillation, as Medusa-2 and EAGLE do). The documentation's
+   own text is added as plain windows.
+2. Features. One teacher-forced target pass over each sequence gives, per position j, the feature
+   h_j (the final norm's output) and the target's argmax y_j; they are written to disk in chunks
+   (safetensors, h in float16), once.
+3. Training. The head sees (x_j, h_{j-1}) and is trained to give g_j close to h_j (smooth L1) and to
+   put the target's argmax y_j first (cross-entropy over the head's vocabulary). A second, unrolled
+   pass feeds the head its own g_{j-1} in place of h_{j-1}, as drafting does from the second draft
+   on. Held-out acceptance: how often the head's first (and, unrolled, second) draft equals the
+   target's argmax on the held-out topics.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from .distill import load_checkpoint, lr_at, save_checkpoint
+from .draft_head import DraftHead
+from .model import TransformerLM
+
+Log = Callable[[str], None]
+
+
+# ------------------------------------------------------------------ 1. prompts and the target's answers
+def topic_split(held_out_every: int = 10) -> tuple[list[str], list[str]]:
+    """The pydoc topics' texts, split by topic: (training topics, held-out topics)."""
+    from pydoc_data.topics import topics
+
+    keys = sorted(topics)
+    train = [topics[k] for i, k in enumerate(keys) if i % held_out_every != held_out_every - 1]
+    held = [topics[k] for i, k in enumerate(keys) if i % held_out_every == held_out_every - 1]
+    return train, held
+
+
+def _paragraphs(text: str) -> tuple[list[str], list[str]]:
+    """(prose paragraphs of 200-900 characters, code examples of 3-30 lines) of one topic."""
+    prose, code = [], []
+    for block in re.split(r"\n\s*\n", text):
+        lines = [line for line in block.splitlines() if line.strip()]
+        if not lines:
+            continue
+        if all(line.startswith("   ") for line in lines):  # reST literal blocks are indented
+            if 3 <= len(lines) <= 30 and not any(">>>" in line for line in lines[1:2]):
+                code.append("\n".join(line[3:] if line.startswith("   ") else line for line in lines))
+        else:
+            para = " ".join(line.strip() for line in lines)
+            if 200 <= len(para) <= 900:
+                prose.append(para)
+    return prose, code
+
+
+PROSE_TASKS = [
+    "Explain the following in simple terms:\n\n{}",
+    "Summarize this text in two sentences:\n\n{}",
+    "Rewrite the following paragraph in plain English, keeping its meaning:\n\n{}",
+    "Copy the following text, correcting any typos:\n\n{}",
+    "What is the main point of this passage?\n\n{}",
+]
+CODE_TASKS = [
+    "Here is some Python code:\n\n{}\n\nAdd a comment to each line and return the code.",
+    "Rewrite this Python code with clearer variable names:\n\n{}",
+    "Explain what this Python code does:\n\n{}",
+    "Here is a Python snippet:\n\n{}\n\nReturn the same code with type hints added where they fit.",
+]
+
+
+def draft_prompts(texts: list[str], seed: int = 0) -> list[str]:
+    """Chat requests built from the topics' paragraphs and code examples (every paragraph once, a task
+    drawn for each)."""
+    rng = random.Random(seed)
+    prompts = []
+    for text in texts:
+        prose, code = _paragraphs(text)
+        prompts += [rng.choice(PROSE_TASKS).format(p) for p in prose]
+        prompts += [rng.choice(CODE_TASKS).format(c) for c in code]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def answer_prompts(
+    target: TransformerLM,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int,
+    batch: int = 16,
+    log: Log = print,
+) -> list[list[int]]:
+    """[chat-formatted prompt + the target's greedy answer] token ids, per prompt (the serving engine,
+    `batch` requests at a time, on whatever path the target has installed)."""
+    from .sampling import SamplingParams
+    from .serving import LLMEngine
+
+    ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]),
+                            add_special_tokens=False) for p in prompts]  # fmt: skip
+    engine = LLMEngine(
+        target, num_blocks=batch * 48, block_size=16, max_batch_tokens=32, max_batch_seqs=batch
+    )
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    out: list[list[int]] = []
+    began = time.perf_counter()
+    for start in range(0, len(ids), 8 * batch):  # the engine keeps `batch` running; a log line per group
+        group = ids[start : start + 8 * batch]
+        answers = engine.generate(group, params)
+        out += [list(p) + list(a) for p, a in zip(group, answers, strict=True)]
+        done = sum(len(s) for s in out)
+        log(f"  answered {len(out)}/{len(ids)} prompts ({done} tokens, {time.perf_counter() - began:.0f} s)")
+    return out
+
+
+def text_windows(tokenizer, texts: list[str], T: int = 256) -> list[list[int]]:
+    """The documentation itself, as windows of T tokens."""
+    ids = tokenizer.encode("\n\n".join(texts), add_special_tokens=False)
+    return [ids[i : i + T] for i in range(0, len(ids) - T + 1, T)]
+
+
+# ------------------------------------------------------------------ 2. features, on disk
+@torch.inference_mode()
+def write_features(
+    target: TransformerLM, sequences: list[list[int]], folder: str | Path, chunk_tokens: int = 32768,
+    log: Log = print,
+) -> list[Path]:  # fmt: skip
+    """Teacher-forced features of every sequence, in chunks folder/features-NNNNN.safetensors:
+    tokens [N] int32, feats [N, D] float16, labels [N] int32 (the target's argmax at each position),
+    starts [M + 1] int64 (sequence boundaries). A chunk already there is kept (resumable)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    chunks, group, size = [], [], 0
+    for seq in sequences:
+        group.append(seq)
+        size += len(seq)
+        if size >= chunk_tokens:
+            chunks.append(group)
+            group, size = [], 0
+    if group:
+        chunks.append(group)
+    paths = []
+    began = time.perf_counter()
+    for c, group in enumerate(chunks):
+        path = folder / f"features-{c:05d}.safetensors"
+        paths.append(path)
+        if path.exists():
+            continue
+        tokens, feats, labels, starts = [], [], [], [0]
+        for seq in group:
+            x = torch.tensor(seq, device=target.embed.weight.device)[None]
+            logits, h = target(x, return_hidden=True)
+            tokens.append(x[0].int().cpu())
+            feats.append(h[0].half().cpu())
+            labels.append(logits[0].argmax(-1).int().cpu())
+            starts.append(starts[-1] + len(seq))
+        tmp = path.with_suffix(".tmp")
+        save_file({"tokens": torch.cat(tokens), "feats": torch.cat(feats), "labels": torch.cat(labels),
+                   "starts": torch.tensor(starts)}, str(tmp))  # fmt: skip
+        tmp.rename(path)
+        log(
+            f"  features: chunk {c + 1}/{len(chunks)} ({starts[-1]} tokens, {time.perf_counter() - began:.0f} s)"
+        )
+    return paths
+
+
+def load_features(paths: list[Path]) -> dict[str, Tensor]:
+    """The chunks joined: tokens, feats, labels, and starts (sequence boundaries) over all of them."""
+    parts = [load_file(str(p)) for p in paths]
+    starts, offset = [torch.zeros(1, dtype=torch.long)], 0
+    for part in parts:
+        starts.append(part["starts"][1:] + offset)
+        offset += int(part["starts"][-1])
+    return {
+        "tokens": torch.cat([p["tokens"] for p in parts]).long(),
+        "feats": torch.cat([p["feats"] for p in parts]),
+        "labels": torch.cat([p["labels"] for p in parts]).long(),
+        "starts": torch.cat(starts),
+    }
+
+
+def frequent_tokens(labels: Int[Tensor, " N"], n: int, always: list[int] = ()) -> Int[Tensor, " n"]:
+    """The n token ids the target predicts most often (plus `always`, e.g. the EOS ids), sorted."""
+    counts = torch.bincount(labels)
+    top = counts.argsort(descending=True)[:n].tolist()
+    return torch.tensor(sorted(set(top) | set(always)))
+
+
+def windows(data: dict[str, Tensor], T: int) -> Int[Tensor, "M 2"]:
+    """(start, length) of training windows: each sequence cut into pieces of at most T + 1 positions
+    (position 0 of a piece supplies only the feature h_{j-1} of the next)."""
+    out = []
+    starts = data["starts"].tolist()
+    for a, b in zip(starts[:-1], starts[1:], strict=True):
+        for s in range(a, b - 1, T):
+            n = min(T + 1, b - s)
+            if n >= 2:
+                out.append((s, n))
+    return torch.tensor(out)
+
+
+# ------------------------------------------------------------------ 3. training
+@dataclass
+class DraftSettings:
+    steps: int = 1000
+    batch_size: int = 8
+    T: int = 256
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 50
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    w_feature: float = 1.0
+    w_token: float = 0.1
+    unroll: int = 2
+    noise: float = 0.02
+    eval_every: int = 200
+    seed: int = 0
+
+
+def _batch(data, wins: Tensor, rows: list[int], T: int, device) -> tuple[Tensor, ...]:
+    """Padded [B, T] inputs: tokens x_j, features h_{j-1}, targets h_j, labels y_j, and a valid mask."""
+    B = len(rows)
+    D = data["feats"].shape[1]
+    x = torch.zeros(B, T, dtype=torch.long)
+    prev = torch.zeros(B, T, D)
+    want = torch.zeros(B, T, D)
+    y = torch.full((B, T), -1, dtype=torch.long)
+    for b, r in enumerate(rows):
+        s, n = wins[r].tolist()
+        m = n - 1
+        x[b, :m] = data["tokens"][s + 1 : s + n]
+        prev[b, :m] = data["feats"][s : s + m].float()
+        want[b, :m] = data["feats"][s + 1 : s + n].float()
+        y[b, :m] = data["labels"][s + 1 : s + n]
+    return x.to(device), prev.to(device), want.to(device), y.to(device)
+
+
+def draft_losses(
+    head: DraftHead, x, prev, want, y, unroll: int, noise: float = 0.0, generator=None
+) -> tuple[Tensor, Tensor, list[Float[Tensor, "B T Vd"]]]:
+    """(feature loss, token loss, logits per unrolled pass) of a batch; labels -1 and labels outside
+    the head's vocabulary count in neither loss."""
+    mapped = y
+    if head.vocab_ids is not None:
+        lookup = torch.full((head.config.vocab_size,), -1, dtype=torch.long, device=y.device)
+        lookup[head.vocab_ids] = torch.arange(len(head.vocab_ids), device=y.device)
+        mapped = torch.where(y >= 0, lookup[y.clamp(min=0)], y)
+    valid = (y >= 0)[..., None]
+    feats = (
+        prev if noise == 0 else prev + noise * torch.randn(prev.shape, generator=generator).to(prev.device)
+    )
+    f_loss = t_loss = torch.zeros((), device=x.device)
+    all_logits = []
+    for _ in range(unroll):
+        g = head(x, feats)
+        logits = head.logits(g)
+        all_logits.append(logits)
+        diff = F.smooth_l1_loss(g, want, reduction="none") * valid
+        f_loss = f_loss + diff.sum() / (valid.sum() * g.shape[-1]).clamp(min=1)
+        t_loss = t_loss + F.cross_entropy(logits.flatten(0, 1).float(), mapped.flatten(), ignore_index=-1)
+        feats = torch.cat([prev[:, :1], g[:, :-1]], dim=1)  # the next pass reads the head's own g_{j-1}
+    return f_loss / unroll, t_loss / unroll, all_logits
+
+
+@torch.no_grad()
+def held_out_acceptance(head: DraftHead, data, wins: Tensor, T: int, unroll: int, batch: int = 8) -> dict:
+    """How often the head's draft equals the target's argmax y_j on held-out windows: depth 1 reads
+    the target's h_{j-1}, depth 2 the head's own g_{j-1} (its second draft of a round)."""
+    was = head.training
+    head.eval()
+    hits = [0] * unroll
+    n = 0
+    device = head.fc.weight.device
+    for start in range(0, len(wins), batch):
+        rows = list(range(start, min(start + batch, len(wins))))
+        x, prev, want, y = _batch(data, wins, rows, T, device)
+        _, _, logits = draft_losses(head, x, prev, want, y, unroll)
+        valid = y >= 0
+        for u, lg in enumerate(logits):
+            hits[u] += int(((head.token_ids(lg.argmax(-1)) == y) & valid).sum())
+        n += int(valid.sum())
+    head.train(was)
+    return {f"accept_depth{u + 1}": hits[u] / max(n, 1) for u in range(unroll)}
+
+
+def train_draft_head(
+    head: DraftHead,
+    train: dict[str, Tensor],
+    held: dict[str, Tensor],
+    checkpoint_dir: str | Path,
+    resume: bool = True,
+    log: Log = print,
+    progress: bool = True,
+    stop_at: int | None = None,
+    **settings,
+) -> list[dict]:
+    """Train `head` (attached to its target) in place; a checkpoint every eval_every steps (and at
+    stop_at, to stop early) in checkpoint_dir, resumed from if there (same settings required), bit
+    for bit like an uninterrupted run. Returns the history (per evaluation: step, epoch, training
+    losses, held-out acceptance at depths 1..unroll)."""
+    s = DraftSettings(**settings)
+    device = head.fc.weight.device
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
+    generator = torch.Generator().manual_seed(s.seed)
+    folder = Path(checkpoint_dir)
+    step, history = 0, []
+    if resume and (folder / "state.json").exists():
+        step, history = load_checkpoint(folder, head, optimizer, generator, s)
+        log(f"resumed at step {step}")
+    wins, held_wins = windows(train, s.T), windows(held, s.T)
+    per_epoch = math.ceil(len(wins) / s.batch_size)
+    if step == 0:
+        history.append({"step": 0, "epoch": 0.0} | held_out_acceptance(head, held, held_wins, s.T, s.unroll))
+        log(_line(history[-1]))
+    end = s.steps if stop_at is None else min(stop_at, s.steps)
+    bar = range(step, end)
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(bar, initial=step, total=s.steps, desc="train draft head", dynamic_ncols=True)
+    head.train()
+    sums = {"feature": 0.0, "token": 0.0, "n": 0}
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, s)
+        # an epoch: every window once, in an order drawn by the seeded generator
+        epoch, at = divmod(step, per_epoch)
+        order = torch.randperm(len(wins), generator=torch.Generator().manual_seed(s.seed + epoch))
+        rows = order[at * s.batch_size : (at + 1) * s.batch_size].tolist()
+        x, prev, want, y = _batch(train, wins, rows, s.T, device)
+        f_loss, t_loss, _ = draft_losses(head, x, prev, want, y, s.unroll, s.noise, generator)
+        loss = s.w_feature * f_loss + s.w_token * t_loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, s.clip)
+        optimizer.step()
+        sums["feature"] += f_loss.item()
+        sums["token"] += t_loss.item()
+        sums["n"] += 1
+        done = step + 1
+        if hasattr(bar, "set_postfix"):
+            bar.set_postfix(feature=f"{f_loss.item():.4f}", token=f"{t_loss.item():.3f}")
+        if done % s.eval_every == 0 or done == s.steps or done == end:
+            row = {"step": done, "epoch": round(done / per_epoch, 2),
+                   "feature_loss": sums["feature"] / sums["n"], "token_loss": sums["token"] / sums["n"]}  # fmt: skip
+            row |= held_out_acceptance(head, held, held_wins, s.T, s.unroll)
+            history.append(row)
+            sums = {"feature": 0.0, "token": 0.0, "n": 0}
+            (bar.write if hasattr(bar, "write") else log)(_line(row))
+            save_checkpoint(folder, head, optimizer, generator, s, done, history)
+    head.eval()
+    return history
+
+
+def _line(row: dict) -> str:
+    parts = [f"step {row['step']} (epoch {row['epoch']:.2f})"]
+    if "feature_loss" in row:
+        parts.append(f"feature loss {row['feature_loss']:.4f}, token loss {row['token_loss']:.3f}")
+    parts.append(
+        "held-out acceptance " + ", ".join(f"{row[k]:.3f}" for k in sorted(row) if k.startswith("accept"))
+    )
+    return "; ".join(parts)
+
+
+def save_history(history: list[dict], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(history, indent=1) + "\n")

@@ -1,0 +1,496 @@
+"""Tree speculation: the draft proposes a tree of continuations, the target checks every node at once.
+
+A chain of k drafts dies at its first wrong token. A tree keeps several candidates at each depth, so
+a round survives a wrong first guess when the second is right; the target still runs one pass.
+
+    tree       node 0 is the root, the newest context token (not a draft); node i > 0 is a drafted
+               token whose parent is parents[i] < i. Children of a node are drafted in node order.
+    verify     ONE target pass over all T nodes: node i sits at position start + depth[i] and attends
+               to the cached context and to its own ancestors only (`tree_mask`), never to its
+               siblings or cousins; its K/V land at cache step start + i
+    accept     walk down from the root: at each node the target's distribution q decides which child,
+               if any, is accepted (greedy: the child equal to the argmax; sampled: children tried
+               one after another, each accepted with probability min(1, q(x)/p(x)), q replaced by the
+               residual max(q - p, 0) normalised and x struck from p after each rejection); the walk
+               ends with one token drawn from the final q
+    keep       the cache keeps the accepted path's K/V, moved to steps start, start + 1, ...
+               (`keep_path`), and forgets the rest
+
+Sampled children must be drawn from p one after another without replacement (torch.multinomial(p,
+m, replacement=False) does exactly that), which is what makes the walk an exact sample of the target.
+A chain is the tree whose nodes each have one child: the verify is then speculative.py's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from .attention import ForwardContext
+from .kv_cache import KVCache, StaticKVCache
+from .model import TransformerLM
+from .sampling import SamplingParams, sampling_params
+from .speculative import SpeculativeStats, _check_args, sampling_probs
+
+
+@dataclass
+class DraftTree:
+    """T nodes: tokens[0] the root (the newest context token), parents[0] = -1, parents[i] < i.
+
+    probs[i]: the draft distribution node i's children were drawn from (sampled drafting), or None
+    (greedy drafting: children are the draft's top choices, p one-hot for the accept step).
+    """
+
+    tokens: Int[Tensor, " T"]
+    parents: Int[Tensor, " T"]
+    probs: Float[Tensor, "T V"] | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def tree_depths(parents: Int[Tensor, " T"]) -> Int[Tensor, " T"]:
+    """depth[i] = number of ancestors of node i (the root has depth 0)."""
+    depth = torch.zeros_like(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return depth
+
+
+def children_of(parents: Int[Tensor, " T"]) -> list[list[int]]:
+    """children[i]: node i's children, in node order."""
+    kids: list[list[int]] = [[] for _ in range(len(parents))]
+    for i, p in enumerate(parents.tolist()):
+        if p >= 0:
+            kids[p].append(i)
+    return kids
+
+
+def tree_mask(parents: Int[Tensor, " T"]) -> Bool[Tensor, "T T"]:
+    """mask[i, j] = True iff node j is node i itself or one of its ancestors.
+
+    parents[0] = -1 (the root), parents[i] < i otherwise. Row i is what node i may attend to among
+    the tree's nodes: the path from the root down to i, and nothing else.
+    """
+    # BEGIN SOLUTION tree_verify
+    T = len(parents)
+    mask = torch.eye(T, dtype=torch.bool, device=parents.device)
+    for i in range(1, T):
+        mask[i] |= mask[int(parents[i])]
+    return mask
+    # END SOLUTION
+
+
+def keep_path(cache: KVCache, start: int, path: Sequence[int]) -> None:
+    """Keep the accepted path's K/V: node path[m], written at step start + path[m] by the verify pass,
+    moves to step start + m (m = 0 .. len(path) - 1), and the cache is truncated to start + len(path).
+
+    path[0] = 0 is the root and path[m] > path[m - 1]. Every layer's store is a StaticKVCache
+    (`k`, `v`: [B, K, S, H]); CLA layers without a store (None) are skipped.
+    """
+    # BEGIN SOLUTION tree_verify
+    src = torch.tensor(list(path), dtype=torch.long) + start
+    for store in cache.layers:
+        if store is None:
+            continue
+        for t in (store.k, store.v):
+            t[:, :, start : start + len(path)] = t[:, :, src.to(t.device)]
+    cache.truncate(start + len(path))
+    # END SOLUTION
+
+
+def check_tree_cache(cache: KVCache) -> None:
+    """ValueError unless every store is a StaticKVCache (tree verification moves K/V by step)."""
+    for i, store in enumerate(cache.layers):
+        if store is not None and not isinstance(store, StaticKVCache):
+            raise ValueError(
+                f"tree verification needs full-attention static caches; layer {i} has a "
+                f"{type(store).__name__} (sliding-window rings and MLA latents are not supported)"
+            )
+
+
+def tree_forward(
+    model: TransformerLM,
+    cache: KVCache,
+    tree: DraftTree,
+    return_hidden: bool = False,
+):
+    """The target's logits [T, V] for every node (and its features [T, D] with return_hidden): one
+    pass over the tree, node i at position cache.pos + depth[i], K/V written at step cache.pos + i,
+    attending to the cache and to its ancestors. cache.pos advances by T (keep_path then rolls back)."""
+    ids = tree.tokens[None]
+    T, start = len(tree), cache.pos
+    if start + T > cache.capacity:
+        raise ValueError(f"KV cache full: {start} + {T} tree nodes > capacity {cache.capacity}")
+    steps = torch.arange(start, start + T, device=ids.device)
+    positions = start + tree_depths(tree.parents).to(ids.device)
+    ctx = ForwardContext(steps, start, model.rope_cos[positions][None], model.rope_sin[positions][None],
+                         pad=cache.pad, cache=cache, tree=tree_mask(tree.parents).to(ids.device),
+                         tree_start=start)  # fmt: skip
+    x = model.embed(ids)
+    for block in model.layers:
+        x = block(x, ctx)
+    cache.pos = start + T
+    h = model.norm(x)[0]
+    logits = F.linear(h, model.vocab_weight)
+    return (logits, h) if return_hidden else logits
+
+
+def accept_tree(
+    tree: DraftTree,
+    logits: Float[Tensor, "T V"],
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], Int[Tensor, " 1"]]:
+    """Walk the tree with the target's logits; returns (path: accepted nodes from the root, the token
+    drawn after the path's last node).
+
+    Greedy (temperature 0): follow the child whose token is the target's argmax while there is one;
+    the token added is the argmax at the last node. Sampled: at each node with target distribution q
+    (`sampling_probs` with the settings) and draft distribution p = tree.probs[node], try its children
+    in node order: child x is accepted with probability min(1, q(x) / p(x)) (then walk on from it);
+    after a rejection q becomes max(q - p, 0) normalised (q itself if that is all zeros) and p loses x
+    (renormalised). When no child is accepted the token is drawn from q. Draws from `generator`: one
+    uniform (torch.rand(1)) per child tried, then one torch.multinomial(q, 1).
+    """
+    # BEGIN SOLUTION tree_verify
+    kids = children_of(tree.parents)
+    node, path = 0, [0]
+    if params.temperature == 0.0:
+        best = logits.float().argmax(dim=-1)
+        while True:
+            nxt = [c for c in kids[node] if int(tree.tokens[c]) == int(best[node])]
+            if not nxt:
+                return path, best[node : node + 1]
+            node = nxt[0]
+            path.append(node)
+    while True:
+        q = sampling_probs(logits[node], params.temperature, params.top_k, params.top_p)
+        p = tree.probs[node].float().clone() if kids[node] else None
+        accepted = None
+        for c in kids[node]:
+            x = int(tree.tokens[c])
+            u = torch.rand(1, generator=generator, device=q.device)
+            if float(u) < min(1.0, float(q[x]) / float(p[x])) if p[x] > 0 else q[x] > 0:
+                accepted = c
+                break
+            residual = (q - p).clamp(min=0.0)
+            q = residual / residual.sum() if residual.sum() > 0 else q
+            p[x] = 0.0
+            p = p / p.sum() if p.sum() > 0 else p
+        if accepted is None:
+            return path, torch.multinomial(q, 1, generator=generator)
+        node = accepted
+        path.append(node)
+    # END SOLUTION
+
+
+def verify_tree(
+    target,
+    cache: KVCache,
+    tree: DraftTree,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> tuple[Int[Tensor, " n"], list[int], Tensor | None]:
+    """One round's target pass over a tree: returns (the n tokens it emits: the accepted drafts and
+    one more, the accepted path, the path's features or None).
+
+    `cache` holds every context token but the root. `target` is a TransformerLM (`tree_forward`) or
+    anything with a `tree(cache, tree, return_hidden)` method (the fast path's fixed-shape steps).
+    Features are returned when target has `wants_features` set by the caller (a draft head reads them).
+    """
+    start = cache.pos
+    want_h = getattr(target, "wants_features", False)
+    run = target.tree if hasattr(target, "tree") else lambda c, t, r: tree_forward(target, c, t, r)
+    out = run(cache, tree, want_h)
+    logits, h = out if want_h else (out, None)
+    path, token = accept_tree(tree, logits, params, generator)
+    keep_path(cache, start, path)
+    new = torch.cat([tree.tokens[path[1:]], token.to(tree.tokens.device)])
+    return new, path, (None if h is None else h[path])
+
+
+# ------------------------------------------------------------------ tree shapes and drafts
+class TreeShape:
+    """A static tree of drafts written as Medusa's "choices": node (0, 1) is the second child (rank 1)
+    of the root's first child. The root () is implied. Every node's parent must be there, and rank r
+    only with ranks 0 .. r - 1 beside it (children are the draft's first choices, so that sampled
+    drafting can draw them one after another). `nodes` is in tree order: by depth, then by ranks."""
+
+    def __init__(self, choices: Sequence[Sequence[int]]):
+        nodes = sorted({tuple(int(r) for r in c) for c in choices} - {()}, key=lambda c: (len(c), c))
+        have = set(nodes) | {()}
+        for c in nodes:
+            if min(c) < 0 or c[:-1] not in have or (c[-1] > 0 and c[:-1] + (c[-1] - 1,) not in have):
+                raise ValueError(f"tree node {c} needs its parent and its lower-ranked siblings in the tree")
+        self.nodes = [(), *nodes]
+        index = {c: i for i, c in enumerate(self.nodes)}
+        self.parents = [-1] + [index[c[:-1]] for c in nodes]
+        self.depth = max((len(c) for c in self.nodes), default=0)
+
+    @classmethod
+    def chain(cls, k: int) -> TreeShape:
+        """k drafts in a row: speculative.py's round as a tree."""
+        return cls([(0,) * d for d in range(1, k + 1)])
+
+    def cut(self, depth: int) -> TreeShape:
+        """The nodes of depth <= depth."""
+        return TreeShape([c for c in self.nodes if len(c) <= depth])
+
+    def children(self, node: int) -> int:
+        return sum(1 for p in self.parents if p == node)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __repr__(self) -> str:
+        return f"TreeShape({self.nodes[1:]})"
+
+
+def as_shape(shape) -> TreeShape:
+    """A TreeShape, from one, a list of choices, or an int k (a chain of k)."""
+    if isinstance(shape, TreeShape):
+        return shape
+    if isinstance(shape, int):
+        return TreeShape.chain(shape)
+    return TreeShape(shape)
+
+
+def draw_children(p: Float[Tensor, " V"], m: int, greedy: bool, generator=None) -> Int[Tensor, " m"]:
+    """m distinct children from the draft distribution p: its top m when greedy, else drawn one after
+    another without replacement (at most as many as p has non-zero entries)."""
+    if greedy:
+        return p.topk(m).indices
+    return torch.multinomial(p, min(m, int((p > 0).sum())), replacement=False, generator=generator)
+
+
+class ModelTreeDraft:
+    """A TransformerLM drafting the nodes of a TreeShape level by level. The readable reference
+    drafter: it runs the draft on the whole context plus each node's path (no cache), so it is for
+    tests and small models."""
+
+    def __init__(self, model: TransformerLM, shape):
+        self.model, self.shape = model, as_shape(shape)
+        self.max_depth, self.max_nodes = self.shape.depth, len(self.shape)
+
+    def reset(self, capacity: int, spare: int) -> None:
+        pass
+
+    @torch.inference_mode()
+    def propose_tree(self, context: Int[Tensor, " S"], params: SamplingParams, generator=None,
+                     budget: int | None = None) -> DraftTree:  # fmt: skip
+        shape = self.shape if budget is None or budget >= self.shape.depth else self.shape.cut(budget)
+        greedy, V, device = params.temperature == 0.0, self.model.config.vocab_size, context.device
+        tokens = [int(context[-1])] + [0] * (len(shape) - 1)
+        probs = torch.zeros(len(shape), V, device=device)
+        drawn = [True] + [False] * (len(shape) - 1)  # a node sampled with fewer children than asked
+        for i, c in enumerate(shape.nodes):
+            m = shape.children(i)
+            if m == 0 or not drawn[i]:
+                continue
+            path = [tokens[shape.nodes.index(c[:d])] for d in range(1, len(c) + 1)]
+            seq = torch.cat([context, torch.tensor(path, dtype=torch.long, device=device)])
+            logits = self.model(seq[None])[0, -1]
+            p = (
+                logits.float().softmax(-1)
+                if greedy
+                else sampling_probs(logits, params.temperature, params.top_k, params.top_p)
+            )
+            probs[i] = p
+            picks = draw_children(p, m, greedy, generator).tolist()
+            for r, x in enumerate(picks):
+                child = shape.nodes.index(c + (r,))
+                tokens[child], drawn[child] = x, True
+        keep = [i for i in range(len(shape)) if drawn[i]]  # parents come first, so ancestors are kept
+        remap = {old: new for new, old in enumerate(keep)}
+        parents = [-1] + [remap[shape.parents[i]] for i in keep[1:]]
+        return DraftTree(torch.tensor([tokens[i] for i in keep], device=device), torch.tensor(parents, device=device),
+                         None if greedy else probs[keep])  # fmt: skip
+
+
+# ------------------------------------------------------------------ choosing the depth
+class AdaptiveDepth:
+    """Each round's tree depth d (0 .. the shape's depth; 0: no drafts, a plain decode step), chosen to
+    maximise the expected tokens per second from what the rounds so far measured:
+
+        a_e          acceptance at depth e: of the rounds whose walk reached depth e - 1 with a node
+                     of depth e to try, the share that accepted one (decayed, so it follows the text)
+        E[d]         1 + sum_{e <= d} a_1 ... a_e       (expected tokens a round of depth d emits)
+        t[d]         measured seconds of a round of depth d (drafting + verifying), an average that
+                     forgets; a depth not measured yet is extrapolated from the nearest measured one
+        d            argmax E[d] / t[d]
+
+    Every `explore` rounds the depth one above the best is tried, so its figures stay current.
+    """
+
+    def __init__(self, shape: TreeShape, explore: int = 8, decay: float = 0.95):
+        self.shape, self.explore, self.decay = shape, explore, decay
+        D = shape.depth
+        self.nodes = [len(shape.cut(d)) for d in range(D + 1)]
+        self.reached = [0.0] + [2.0] * D  # a prior of one accept in two tries at every depth
+        self.accepted = [0.0] + [1.0] * D
+        self.seconds: list[float | None] = [None] * (D + 1)
+        self.rounds = 0
+
+    def reset(self) -> None:
+        self.rounds = 0
+
+    def expected_tokens(self) -> list[float]:
+        out, run, total = [1.0], 1.0, 1.0
+        for e in range(1, self.shape.depth + 1):
+            run *= self.accepted[e] / self.reached[e]
+            total += run
+            out.append(total)
+        return out
+
+    def round_seconds(self) -> list[float]:
+        known = [(d, s) for d, s in enumerate(self.seconds) if s is not None]
+        if not known:
+            return [1.0 + 0.05 * (n - 1) + 0.05 * d for d, n in enumerate(self.nodes)]
+        out = []
+        for d, n in enumerate(self.nodes):
+            if self.seconds[d] is not None:
+                out.append(self.seconds[d])
+                continue
+            near, s = min(known, key=lambda ds: abs(ds[0] - d))
+            out.append(s * (1.0 + 0.05 * (n - self.nodes[near]) + 0.05 * (d - near)))
+        return out
+
+    def choose(self) -> int:
+        self.rounds += 1
+        rate = [e / t for e, t in zip(self.expected_tokens(), self.round_seconds(), strict=True)]
+        best = max(range(len(rate)), key=rate.__getitem__)
+        if self.rounds % self.explore == 0 and best < self.shape.depth:
+            return best + 1
+        return best
+
+    def record(self, tree: DraftTree, path: list[int], draft_s: float, verify_s: float) -> None:
+        depths = tree_depths(tree.parents)
+        d = int(depths.max())
+        reach = int(depths[path[-1]])
+        for e in range(1, d + 1):
+            self.reached[e] *= self.decay
+            self.accepted[e] *= self.decay
+            if reach >= e - 1:
+                self.reached[e] += 1.0
+                self.accepted[e] += float(reach >= e)
+        s = draft_s + verify_s
+        old = self.seconds[d]
+        self.seconds[d] = s if old is None else 0.8 * old + 0.2 * s
+
+
+# ------------------------------------------------------------------ the loop
+def tree_stream(
+    target: TransformerLM,
+    draft,
+    prompt_ids: Tensor | Sequence[int],
+    max_new_tokens: int = 64,
+    params: SamplingParams | None = None,
+    stats: SpeculativeStats | None = None,
+    steps=None,
+    **settings,
+) -> Iterator[int]:
+    """Yield new token ids as tree rounds emit them (a stop token is yielded, then it ends).
+
+    draft: an object with max_depth, max_nodes (its deepest and largest tree, root included),
+    reset(capacity, spare) and propose_tree(context, params, generator, budget) -> DraftTree of depth
+    <= budget (`ModelTreeDraft`, draft_head.HeadDraft); if it reads the target's features it has
+    `reads_features = True` and `observe(h)`, given the features of every position the target's cache
+    gains. steps: a fast-path object giving the target's tree passes (optional).
+    """
+    params = sampling_params(params, max_new_tokens=max_new_tokens, **settings)
+    ids = _check_args(target, draft, prompt_ids, int(params.max_new_tokens), draft.max_nodes)
+    stats = SpeculativeStats(k=draft.max_depth) if stats is None else stats
+    return _tree_rounds(target, draft, ids, params, stats, steps)
+
+
+@torch.inference_mode()
+def _tree_rounds(target, draft, ids, params: SamplingParams, stats, steps) -> Iterator[int]:
+    P, device = len(ids), ids.device
+    max_new_tokens, stops = int(params.max_new_tokens), set(params.stops(target.config))
+    generator = None
+    if params.seed is not None or params.temperature == 0.0:
+        generator = torch.Generator(device=device).manual_seed(0 if params.seed is None else params.seed)
+    capacity = P + max_new_tokens
+    spare = draft.max_nodes
+    model = target
+    if steps is None:
+        cache = target.new_cache(1, min(capacity + spare, target.config.max_seq_len))
+        runner = target
+    else:
+        runner, cache = steps.tree_target(target, capacity + spare)
+    check_tree_cache(cache)
+    features = getattr(draft, "reads_features", False)
+    if features and not hasattr(runner, "tree"):
+        runner = _FeatureTarget(target)
+    draft.reset(capacity, spare)
+    stats.caches["target"] = cache
+    if P > 1:
+        if features:
+            _, h = model(ids[None, :-1], cache=cache, return_hidden=True)
+            draft.observe(h[0])
+        else:
+            model(ids[None, :-1], cache=cache, last_only=True)
+    context = torch.empty(capacity, dtype=torch.long, device=device)
+    context[:P] = ids
+    n = P
+    while n - P < max_new_tokens:
+        budget = max_new_tokens - (n - P) - 1  # never draft past max_new_tokens
+        began = time.perf_counter()
+        tree = draft.propose_tree(context[:n], params, generator, budget)
+        drafted_s = time.perf_counter() - began
+        new, path, h = verify_tree(runner, cache, tree, params, generator)
+        if hasattr(draft, "record"):
+            draft.record(tree, path, drafted_s, time.perf_counter() - began - drafted_s)
+        if features:
+            draft.observe(h)
+        stats.target_passes += 1
+        stats.drafted += len(tree) - 1
+        stats.round_drafts.append(len(tree) - 1)
+        stats.accepted += len(new) - 1
+        stats.rejected += int(bool(children_of(tree.parents)[path[-1]]))  # the walk stopped at a rejection
+        context[n : n + len(new)] = new
+        n += len(new)
+        for token in new.tolist():
+            stats.new_tokens += 1
+            yield token
+            if token in stops:
+                return
+
+
+class _FeatureTarget:
+    """The readable target's tree pass, returning features too (for a draft that reads them)."""
+
+    wants_features = True
+
+    def __init__(self, model: TransformerLM):
+        self.model = model
+
+    def tree(self, cache, tree, return_hidden):
+        return tree_forward(self.model, cache, tree, return_hidden)
+
+
+def tree_generate(
+    target: TransformerLM,
+    draft,
+    prompt_ids: Tensor | Sequence[int],
+    max_new_tokens: int = 64,
+    return_stats: bool = False,
+    steps=None,
+    params: SamplingParams | None = None,
+    **settings,
+):
+    """Generate with tree speculation (see the module doc): the same tokens as `generate(target, ...)`
+    when greedy, an exact sample of it when sampling. Settings as generate's (temperature, top_k,
+    top_p, seed, stop_token_ids) or one SamplingParams (params=). Returns a 1-D LongTensor, and with
+    return_stats=True also a SpeculativeStats (drafted counts every tree node but the root)."""
+    stats = SpeculativeStats(k=0)
+    stream = tree_stream(target, draft, prompt_ids, max_new_tokens, params, stats, steps, **settings)
+    out = torch.tensor(list(stream), dtype=torch.long, device=target.embed.weight.device)
+    return (out, stats) if return_stats else out

@@ -1,0 +1,130 @@
+"""Train an EAGLE-style draft head for SmolLM2-135M-Instruct (or --model) on its own answers.
+
+    python scripts/train_draft.py                       # about 45 minutes on 2 cores, into runs/draft-head
+    python scripts/train_draft.py --prompts 64 --steps 50 --out /tmp/head   # a quick trial
+
+1. chat prompts cut from CPython's pydoc topics (every 10th topic held out), answered by the target
+   itself, greedy, on the serving engine (runs/draft-head/work/answers-*.json);
+2. the target's features and argmax over those answers and the documentation's text, in chunks
+   (work/train/, work/held/);
+3. the head trained on them (checkpoints in work/checkpoint/, resumed if there); the held-out
+   acceptance is printed at every evaluation.
+Every stage keeps what an earlier run wrote, so an interrupted run goes on where it stopped. The head
+is saved as runs/draft-head/draft_head.safetensors + draft_head.json, where `generate.py --draft head`
+and `benchmark.py speculative --drafts head` look for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from cs336_inference import draft_training as dt
+from cs336_inference.draft_head import DraftHead, save_draft_head
+from cs336_inference.io.checkpoint import CheckpointError, default_model_path, load_pretrained
+from cs336_inference.io.tokenizer import load_tokenizer
+
+DEFAULT_OUT = Path("runs/draft-head")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="target checkpoint (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"where the head goes (default {DEFAULT_OUT})"
+    )
+    p.add_argument("--prompts", type=int, default=0, help="training prompts to answer (0: all, about 1,100)")
+    p.add_argument("--held-prompts", type=int, default=96, help="held-out prompts to answer")
+    p.add_argument("--max-new-tokens", type=int, default=160, help="answer length cap")
+    p.add_argument(
+        "--vocab", type=int, default=8192, help="draft vocabulary: the most frequent tokens (0: all)"
+    )
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--unroll", type=int, default=2, help="training passes (2: also from its own features)")
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def answers(path: Path, make) -> list[list[int]]:
+    if path.exists():
+        return json.loads(path.read_text())
+    seqs = make()
+    path.write_text(json.dumps(seqs))
+    return seqs
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    try:
+        source = args.model or default_model_path()
+        target, tok = load_pretrained(source), load_tokenizer(source)
+    except (CheckpointError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for p in target.parameters():
+        p.requires_grad_(False)
+    work = args.out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+
+    train_texts, held_texts = dt.topic_split()
+    train_prompts, held_prompts = (
+        dt.draft_prompts(train_texts, args.seed),
+        dt.draft_prompts(held_texts, args.seed),
+    )
+    if args.prompts:
+        train_prompts = train_prompts[: args.prompts]
+    held_prompts = held_prompts[: args.held_prompts]
+    log(f"1. answers: {len(train_prompts)} training and {len(held_prompts)} held-out prompts, "
+        f"up to {args.max_new_tokens} tokens each")  # fmt: skip
+    from cs336_inference.fast import install
+
+    install(target)  # the engine on the fast path; the features below come from the readable forward
+    chats = {}
+    for name, prompts in (("train", train_prompts), ("held", held_prompts)):
+        chats[name] = answers(work / f"answers-{name}.json",
+                              lambda prompts=prompts: dt.answer_prompts(target, tok, prompts, args.max_new_tokens, log=log))  # fmt: skip
+    from cs336_inference.fast import uninstall
+
+    uninstall(target)
+    log("2. features")
+    data = {}
+    for name, texts in (("train", train_texts), ("held", held_texts)):
+        seqs = chats[name] + dt.text_windows(tok, texts, args.window)
+        paths = dt.write_features(target, seqs, work / name, log=log)
+        data[name] = dt.load_features(paths)
+        log(f"  {name}: {len(data[name]['tokens'])} positions in {len(seqs)} sequences")
+
+    always = list(dict.fromkeys([*tok.eos_token_ids, *target.config.eos_token_ids]))
+    vocab = None if args.vocab == 0 else dt.frequent_tokens(data["train"]["labels"], args.vocab, always)
+    if vocab is not None:
+        covered = torch.isin(data["held"]["labels"], vocab).float().mean()
+        log(f"  draft vocabulary: {len(vocab)} tokens cover {covered:.1%} of the held-out argmax tokens")
+    head = DraftHead(target.config, vocab).attach(target)
+    log(f"3. training the head ({sum(p.numel() for p in head.parameters()):,} parameters)")
+    history = dt.train_draft_head(
+        head, data["train"], data["held"], work / "checkpoint", log=log, steps=args.steps,
+        batch_size=args.batch_size, T=args.window, lr=args.lr, unroll=args.unroll,
+        eval_every=args.eval_every, seed=args.seed,
+    )  # fmt: skip
+    save_draft_head(head, args.out, {"history": history, "model": str(source)})
+    log(f"saved {args.out / 'draft_head.safetensors'} ({time.perf_counter() - began:.0f} s in this run)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
