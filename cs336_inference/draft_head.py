@@ -38,6 +38,7 @@ from .layers import Linear, RMSNorm, rope_tables
 from .model import TransformerBlock, TransformerLM
 
 CONFIG_NAME, WEIGHTS_NAME = "draft_head.json", "draft_head.safetensors"
+DEFAULT_HEAD_DIR = Path("runs/draft-head")  # where scripts/train_draft.py puts SmolLM2's head
 
 
 def head_config(target: ModelConfig) -> ModelConfig:
@@ -71,6 +72,7 @@ class DraftHead(nn.Module):
         self.register_buffer("vocab_ids", vocab_ids, persistent=False)
         self._target: list[TransformerLM] = []  # a list, so the target is not a submodule
         self.readout: Tensor | None = None
+        self.readout_q: nn.Module | None = None  # `quantize`: the readout rows as a quantized layer
 
     @property
     def draft_vocab_size(self) -> int:
@@ -90,7 +92,8 @@ class DraftHead(nn.Module):
         self._target = [target]
         self.full_vocab = full_vocab or self.vocab_ids is None
         rows = w.detach() if self.full_vocab else w.detach()[self.vocab_ids.to(w.device)]
-        self.readout = rows.to(self.fc.weight.dtype).contiguous()
+        self.readout = rows.to(self.norm.weight.dtype).contiguous()
+        self.readout_q = None  # a quantized readout (quantize) would read the old rows
         return self
 
     @property
@@ -105,8 +108,8 @@ class DraftHead(nn.Module):
 
     def new_cache(self, capacity: int) -> KVCache:
         cfg = self.config
-        store = StaticKVCache(1, cfg.n_kv_heads, capacity, cfg.head_dim, cfg.head_dim, self.fc.weight.dtype,
-                              self.fc.weight.device)  # fmt: skip
+        w = self.norm.weight  # (the products' weights may be quantized)
+        store = StaticKVCache(1, cfg.n_kv_heads, capacity, cfg.head_dim, cfg.head_dim, w.dtype, w.device)
         return KVCache([store], capacity)
 
     def forward(
@@ -140,11 +143,29 @@ class DraftHead(nn.Module):
         """Draft logits over the head's vocabulary (readout rows; `token_ids` maps them to the target's)."""
         if self.readout is None:
             raise ValueError("the draft head has no target: call head.attach(target) first")
+        if self.readout_q is not None:
+            return self.readout_q(g)
         return F.linear(g, self.readout)
+
+    def quantize(self, fmt: str = "q8_0") -> DraftHead:
+        """Its products (fc, the layer's projections, the readout rows) stored in a weight format of
+        quantization/, in place: a draft step reads a quarter of the bytes with q8_0 (what the kernels
+        of `fast.install(head)` then multiply). Only the drafts can change, never what the target
+        emits. For drafting: a quantized head is neither trained nor saved."""
+        from .quantization.linear import QuantizedLinear
+
+        for parent in (self, self.block.attn, self.block.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, Linear):
+                    setattr(parent, name, QuantizedLinear.from_linear(child, fmt))
+        self.readout_q = QuantizedLinear.from_weight(self.readout, fmt)
+        return self
 
 
 def save_draft_head(head: DraftHead, folder: str | Path, extra: dict | None = None) -> None:
     """folder/draft_head.safetensors (its own weights and vocab_ids) and folder/draft_head.json."""
+    if head.readout_q is not None:
+        raise ValueError("save the draft head before quantize(): its quantized layers are not saved")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().contiguous() for name, t in head.state_dict().items()}
@@ -160,7 +181,8 @@ def load_draft_head(folder: str | Path, target: TransformerLM, full_vocab: bool 
     """The head saved in folder, attached to target (ValueError, one line, if it does not fit)."""
     folder = Path(folder)
     if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
-        raise ValueError(f"{folder} holds no draft head ({CONFIG_NAME} and {WEIGHTS_NAME})")
+        hint = " (train one: python scripts/train_draft.py)" if folder == DEFAULT_HEAD_DIR else ""
+        raise ValueError(f"{folder} holds no draft head ({CONFIG_NAME} and {WEIGHTS_NAME}){hint}")
     tensors = load_file(str(folder / WEIGHTS_NAME))
     vocab_ids = tensors.pop("vocab_ids", None)
     head = DraftHead(target.config, vocab_ids)
@@ -187,23 +209,27 @@ class HeadDraft:
     adaptive: each round the depth of the tree is chosen by `speculative_tree.AdaptiveDepth` from the
     measured acceptance per depth and the measured cost of drafting and verifying each depth;
     depth 0 (no drafts: a plain decode step) is among the choices.
+    lookup: prompt lookup as well (speculative.prompt_lookup, n = 3 down to 2): where the context's
+    tail occurred before, greedy rounds hang the tokens that followed it (as many as the depth) from
+    the root beside the head's tree; sampled rounds draft them alone, as a chain with one-hot p.
     """
 
     reads_features = True
 
-    def __init__(self, head: DraftHead, shape=4, adaptive: bool = False):
+    def __init__(self, head: DraftHead, shape=4, adaptive: bool = False, lookup: bool = False):
         from .speculative_tree import AdaptiveDepth, as_shape
 
-        self.head, self.shape = head, as_shape(shape)
-        self.max_depth, self.max_nodes = self.shape.depth, len(self.shape)
+        self.head, self.shape, self.lookup = head, as_shape(shape), lookup
+        self.max_depth = self.shape.depth
+        self.max_nodes = len(self.shape) + (self.shape.depth if lookup else 0)
         self.adaptive = AdaptiveDepth(self.shape) if adaptive else None
         self.model = None  # not a TransformerLM draft (speculative._check_args)
 
     def reset(self, capacity: int, spare: int) -> None:
         head = self.head
         self.cache = head.new_cache(capacity + spare)
-        self.feats = torch.empty(capacity + spare, head.config.d_model, dtype=head.fc.weight.dtype,
-                                 device=head.fc.weight.device)  # fmt: skip
+        w = head.norm.weight
+        self.feats = torch.empty(capacity + spare, head.config.d_model, dtype=w.dtype, device=w.device)
         self.known = 0  # features of positions 0 .. known - 1 are in self.feats
         self.fed = 0  # the head's cache holds positions 1 .. fed (position j at step j - 1)
         if self.adaptive is not None:
@@ -228,7 +254,7 @@ class HeadDraft:
 
     @torch.inference_mode()
     def propose_tree(self, context: Int[Tensor, " S"], params, generator=None, budget: int | None = None):
-        from .speculative_tree import DraftTree, draw_children, tree_mask
+        from .speculative_tree import DraftTree
 
         n, head, device = len(context), self.head, context.device
         depth = self.shape.depth if budget is None else min(budget, self.shape.depth)
@@ -238,6 +264,28 @@ class HeadDraft:
             raise ValueError(f"the head has the features of {self.known} positions, expected {n - 1}")
         if depth == 0 or n < 2:
             return DraftTree(context[-1:], torch.tensor([-1], device=device))
+        found = []
+        if self.lookup:
+            from .speculative import prompt_lookup
+
+            found = prompt_lookup(context.tolist(), depth, n_max=3, n_min=2)
+            if found and params.temperature != 0.0:  # deterministic drafts: p one-hot, a chain alone
+                V = head.config.vocab_size
+                chain = torch.tensor([int(context[-1]), *found], device=device)
+                p = torch.zeros(len(chain), V, device=device)
+                p[torch.arange(len(found)), chain[1:]] = 1.0
+                return DraftTree(chain, torch.arange(-1, len(found), device=device), p)
+        tree = self._head_tree(context, params, generator, depth)
+        if found:
+            from .speculative_tree import add_path
+
+            tree = add_path(tree, found)
+        return tree
+
+    def _head_tree(self, context, params, generator, depth: int):
+        from .speculative_tree import DraftTree, draw_children, tree_mask
+
+        n, head, device = len(context), self.head, context.device
         shape = self.shape.cut(depth)
         greedy = params.temperature == 0.0
         # catch up: positions fed + 1 .. n - 1 with the target's features

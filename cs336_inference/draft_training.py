@@ -19,7 +19,6 @@ Three stages, each resumable, driven by scripts/train_draft.py:
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
@@ -378,5 +377,16 @@ def _line(row: dict) -> str:
     return "; ".join(parts)
 
 
-def save_history(history: list[dict], path: str | Path) -> None:
-    Path(path).write_text(json.dumps(history, indent=1) + "\n")
+def format_history(history: list[dict]) -> str:
+    """The training log as a markdown table: per evaluation, the mean training losses since the last
+    one and the held-out acceptance at each depth."""
+    depths = sorted(k for k in history[-1] if k.startswith("accept_depth"))
+    head = "| step | epoch | feature loss | token loss | " + " | ".join(
+        f"held-out acceptance, draft {k.removeprefix('accept_depth')}" for k in depths
+    )
+    lines = [head + " |", "| ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in depths) + " |"]
+    for row in history:
+        losses = f"{row['feature_loss']:.4f} | {row['token_loss']:.3f}" if "feature_loss" in row else "– | –"
+        accept = " | ".join(f"{row[k]:.3f}" for k in depths)
+        lines.append(f"| {row['step']} | {row['epoch']:.2f} | {losses} | {accept} |")
+    return "\n".join(lines)

@@ -350,6 +350,8 @@ class SpeculativeStats:
     accepted: int = 0
     rejected: int = 0
     round_drafts: list[int] = field(default_factory=list, repr=False)  # tokens drafted, round by round
+    draft_seconds: float = 0.0  # tree rounds (speculative_tree.py): time spent drafting
+    verify_seconds: float = 0.0  # tree rounds: time spent in the target's passes and the walk
     caches: dict = field(default_factory=dict, repr=False)  # for tests: {"target": KVCache, ...}
 
     @property

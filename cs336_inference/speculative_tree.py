@@ -253,6 +253,11 @@ class TreeShape:
         return f"TreeShape({self.nodes[1:]})"
 
 
+# the default tree on a CPU, where each node adds about a tenth of a decode step to the verify pass:
+# three candidates for the next token, two for the one after the best, and the best path to depth 5
+DEFAULT_TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)]
+
+
 def as_shape(shape) -> TreeShape:
     """A TreeShape, from one, a list of choices, or an int k (a chain of k)."""
     if isinstance(shape, TreeShape):
@@ -312,6 +317,26 @@ class ModelTreeDraft:
         parents = [-1] + [remap[shape.parents[i]] for i in keep[1:]]
         return DraftTree(torch.tensor([tokens[i] for i in keep], device=device), torch.tensor(parents, device=device),
                          None if greedy else probs[keep])  # fmt: skip
+
+
+def add_path(tree: DraftTree, tokens: Sequence[int]) -> DraftTree:
+    """The tree with a chain of tokens hung from the root, sharing the nodes it already has (a trie
+    insert; new nodes go at the end). For greedy drafting only: the added nodes have no draft
+    distribution, so the result has probs None."""
+    toks, parents = tree.tokens.tolist(), tree.parents.tolist()
+    kids = children_of(tree.parents)
+    node = 0
+    for x in tokens:
+        same = [c for c in (kids[node] if node < len(kids) else []) if toks[c] == x]
+        if same:
+            node = same[0]
+            continue
+        toks.append(int(x))
+        parents.append(node)
+        kids.append([])
+        node = len(toks) - 1
+    device = tree.tokens.device
+    return DraftTree(torch.tensor(toks, device=device), torch.tensor(parents, device=device))
 
 
 # ------------------------------------------------------------------ choosing the depth
@@ -429,6 +454,8 @@ def _tree_rounds(target, draft, ids, params: SamplingParams, stats, steps) -> It
     features = getattr(draft, "reads_features", False)
     if features and not hasattr(runner, "tree"):
         runner = _FeatureTarget(target)
+    elif hasattr(runner, "tree"):
+        runner.wants_features = features
     draft.reset(capacity, spare)
     stats.caches["target"] = cache
     if P > 1:
@@ -446,8 +473,11 @@ def _tree_rounds(target, draft, ids, params: SamplingParams, stats, steps) -> It
         tree = draft.propose_tree(context[:n], params, generator, budget)
         drafted_s = time.perf_counter() - began
         new, path, h = verify_tree(runner, cache, tree, params, generator)
+        verify_s = time.perf_counter() - began - drafted_s
+        stats.draft_seconds += drafted_s
+        stats.verify_seconds += verify_s
         if hasattr(draft, "record"):
-            draft.record(tree, path, drafted_s, time.perf_counter() - began - drafted_s)
+            draft.record(tree, path, drafted_s, verify_s)
         if features:
             draft.observe(h)
         stats.target_passes += 1

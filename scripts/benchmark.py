@@ -280,6 +280,7 @@ def run_quant(args: argparse.Namespace) -> dict:
 
 
 DRAFT_FORMATS = ("int8", "int4", "q8_0", "q4_0", "llm_int8")
+HEAD_DRAFTS = ("head", "head-full", "head-tree", "head-auto")  # bench/speculative.py's head_entry
 
 
 def run_speculative(args: argparse.Namespace) -> dict:
@@ -305,6 +306,8 @@ def run_speculative(args: argparse.Namespace) -> dict:
         fmt, shared = name.removesuffix("-shared"), name.endswith("-shared")
         if name == "ngram":
             drafts[name] = "ngram"
+        elif name in HEAD_DRAFTS:  # the trained draft head (scripts/train_draft.py)
+            drafts[name] = spec_bench.head_entry(name, target, args.head)
         elif fmt in DRAFT_FORMATS:  # the target's own weights, quantized with the output matrix
             from cs336_inference.quantization import quantize_model
             from cs336_inference.speculative import ModelDraft
@@ -314,7 +317,8 @@ def run_speculative(args: argparse.Namespace) -> dict:
             drafts[name] = ModelDraft(quantized[fmt], steps, share_cache=True) if shared else quantized[fmt]
         else:
             raise BenchmarkError(
-                f"--drafts: unknown draft {name!r} (ngram, {', '.join(DRAFT_FORMATS)}, each also as FMT-shared)"
+                f"--drafts: unknown draft {name!r} (ngram, {', '.join(HEAD_DRAFTS)}, {', '.join(DRAFT_FORMATS)}, "
+                "each also as FMT-shared)"
             )
 
     def chat(text: str) -> torch.Tensor:
@@ -611,10 +615,13 @@ def main(argv: list[str] | None = None) -> int:
         "--drafts",
         default="ngram",
         help="comma-separated: ngram, int8, int4, q8_0, q4_0, llm_int8 (the "
-        "target quantized, output matrix too), each also as FMT-shared (drafting on the target's KV cache)",
+        "target quantized, output matrix too), each also as FMT-shared (drafting on the target's KV cache); "
+        "head (the trained draft head, chains of k), head-full (the same reading out all V tokens), head-tree "
+        "(its tree), head-auto (tree, adaptive depth and prompt lookup: what generate.py --draft head runs)",
     )
+    spec.add_argument("--head", type=Path, help="the draft head's folder (default runs/draft-head)")
     spec.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="comma-separated k values")
-    spec.add_argument("--prompts", type=int, default=2, help="prompts per workload (chat, rewrite)")
+    spec.add_argument("--prompts", type=int, default=2, help="prompts per workload (chat, rewrite, code)")
     spec.add_argument(
         "--max-new-tokens", type=int, default=64, help="new tokens per prompt (greedy, EOS stops)"
     )

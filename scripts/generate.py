@@ -82,9 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--draft",
-        help='speculative decoding: a draft model (as --model), "ngram" (prompt lookup) or '
-        f"{' / '.join(SELF_DRAFTS)} (the model's own weights quantized, output matrix included)",
+        help='speculative decoding: a draft model (as --model), "ngram" (prompt lookup), '
+        f"{' / '.join(SELF_DRAFTS)} (the model's own weights quantized, output matrix included) or "
+        '"head" (the trained draft head of scripts/train_draft.py: trees of drafts from the model\'s '
+        "features, their depth chosen round by round, with prompt lookup)",
     )
+    p.add_argument("--draft-head", type=Path, help="with --draft head: its folder (default runs/draft-head)")
     p.add_argument(
         "--draft-shares-cache",
         action="store_true",
@@ -155,13 +158,13 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--draft needs the KV cache (speculative decoding rolls it back); drop --no-cache")
     if (
         args.draft is not None
-        and args.draft not in ("ngram", *SELF_DRAFTS)
+        and args.draft not in ("ngram", "head", *SELF_DRAFTS)
         and not Path(args.draft).expanduser().exists()
     ):
         raise UsageError(
             f"--draft: no such file or folder (or 'ngram', {', '.join(SELF_DRAFTS)}): {args.draft}"
         )
-    if args.draft_shares_cache and args.draft in (None, "ngram"):
+    if args.draft_shares_cache and args.draft in (None, "ngram", "head"):
         raise UsageError("--draft-shares-cache needs a draft model (e.g. --draft int4)")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
@@ -296,6 +299,17 @@ def run(args: argparse.Namespace) -> int:
     draft = None
     if args.draft == "ngram":
         draft = "ngram"
+    elif args.draft == "head":
+        from cs336_inference.draft_head import DEFAULT_HEAD_DIR, HeadDraft, load_draft_head
+        from cs336_inference.speculative_tree import DEFAULT_TREE
+
+        try:
+            head = load_draft_head(args.draft_head or DEFAULT_HEAD_DIR, model)
+        except ValueError as e:
+            raise UsageError(f"--draft head: {e}") from None
+        if not args.eager:
+            install(head.quantize("q8_0"))  # its products through the kernels: drafts only
+        draft = HeadDraft(head, DEFAULT_TREE, adaptive=True, lookup=True)
     elif args.draft in SELF_DRAFTS:
         from cs336_inference.quantization import quantize_model
 
@@ -318,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
                 f"({model.config.vocab_size})"
             )
     window = model.config.max_seq_len
-    if draft is not None and not isinstance(draft, str):
+    if draft is not None and hasattr(draft, "config"):
         window = min(window, draft.config.max_seq_len)
     if len(prompt_ids) >= window:
         raise UsageError(
@@ -377,15 +391,24 @@ def run(args: argparse.Namespace) -> int:
             draft = ModelDraft(draft, steps, share_cache=True)
         spec_stats = SpeculativeStats(k=args.speculate_k)
         try:  # the arguments are checked here, before the first round
-            tokens = speculative_stream(
-                model,
-                draft,
-                prompt_ids,
-                k=args.speculate_k,
-                params=params,
-                stats=spec_stats,
-                steps=steps,
-            )
+            if args.draft == "head":
+                from cs336_inference.speculative_tree import tree_stream
+
+                spec_stats.k = draft.max_depth
+                tree_steps = None if step_mode not in ("native", "eager") else FixedSteps(step_mode)
+                tokens = tree_stream(
+                    model, draft, prompt_ids, params=params, stats=spec_stats, steps=tree_steps
+                )
+            else:
+                tokens = speculative_stream(
+                    model,
+                    draft,
+                    prompt_ids,
+                    k=args.speculate_k,
+                    params=params,
+                    stats=spec_stats,
+                    steps=steps,
+                )
         except ValueError as e:
             raise UsageError(f"--draft: {e}") from None
     for token_id in tokens:
@@ -448,7 +471,7 @@ def run(args: argparse.Namespace) -> int:
         )
         if spec_stats is not None:
             print(
-                f"[speculative: draft {args.draft}, k={args.speculate_k}; acceptance alpha {spec_stats.alpha:.3f}; "
+                f"[speculative: draft {args.draft}, {'depth up to ' if args.draft == 'head' else ''}k={spec_stats.k}; acceptance alpha {spec_stats.alpha:.3f}; "
                 f"{spec_stats.tokens_per_pass:.2f} tokens per target pass ({spec_stats.target_passes} passes, "
                 f"{spec_stats.accepted}/{spec_stats.drafted} drafts accepted)]",
                 file=sys.stderr,

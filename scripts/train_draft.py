@@ -52,6 +52,7 @@ def parse_args(argv):
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--threads", type=int)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--markdown", type=Path, help="also write the training log for docs/ (command, CPU, date)")
     return p.parse_args(argv)
 
 
@@ -114,6 +115,12 @@ def main(argv=None) -> int:
     if vocab is not None:
         covered = torch.isin(data["held"]["labels"], vocab).float().mean()
         log(f"  draft vocabulary: {len(vocab)} tokens cover {covered:.1%} of the held-out argmax tokens")
+    summary = [f"data: {len(data['train']['tokens'])} training positions ({len(chats['train'])} answers and the "
+               f"documentation), {len(data['held']['tokens'])} held out ({len(chats['held'])} answers, held-out topics)"]  # fmt: skip
+    if vocab is not None:
+        summary.append(
+            f"draft vocabulary: the {len(vocab)} most frequent argmax tokens ({covered:.1%} of the held-out ones)"
+        )
     head = DraftHead(target.config, vocab).attach(target)
     log(f"3. training the head ({sum(p.numel() for p in head.parameters()):,} parameters)")
     history = dt.train_draft_head(
@@ -122,6 +129,11 @@ def main(argv=None) -> int:
         eval_every=args.eval_every, seed=args.seed,
     )  # fmt: skip
     save_draft_head(head, args.out, {"history": history, "model": str(source)})
+    if args.markdown:
+        from cs336_inference.bench.report import write_markdown
+
+        write_markdown(args.markdown, "\n".join(summary) + "\n\n" + dt.format_history(history))
+        log(f"wrote {args.markdown}")
     log(f"saved {args.out / 'draft_head.safetensors'} ({time.perf_counter() - began:.0f} s in this run)")
     return 0
 

@@ -160,7 +160,9 @@ def test_accept_tree_sampled_follows_target(case):
 
 @pytest.mark.graded(problem="tree_verify", points=2)
 @pytest.mark.parametrize(
-    "variant,shape", [("gqa", SMALL_TREE), ("mqa", [(0,), (1,), (2,), (0, 0)]), ("mha", 3)], ids=str
+    "variant,shape",
+    [("gqa", SMALL_TREE), ("mqa", [(0,), (1,), (2,), (0, 0)]), ("mha", 3)],
+    ids=["gqa-tree", "mqa-wide", "mha-chain"],
 )
 def test_tree_generate_greedy_equals_generate(variant, shape):
     target = tiny_model(variant)
@@ -418,3 +420,64 @@ def test_draft_training_learns_on_a_tiny_target(tmp_path):
             f"a run stopped at step 80 and resumed differs in {name} from an uninterrupted one"
         )
     assert math.isfinite(last["feature_loss"])
+
+
+# ------------------------------------------------------------------ the fast path's tree pass
+@pytest.mark.parametrize("mode", ["eager", "native"])
+@pytest.mark.parametrize("variant", ["gqa", "mha"])
+def test_fixed_step_tree_pass_equals_the_readable_one(mode, variant):
+    """A tree pass as a fixed-shape step (step.c's cs336_layers_tree when native) gives the readable
+    tree_forward's logits and features, and after keep_path the same cache."""
+    from cs336_inference.fast.cpu import build
+    from cs336_inference.fast.step.fixed import FixedSteps
+
+    if mode == "native" and build.library() is None:
+        pytest.skip("the C kernels are not built here")
+    target = tiny_model(variant)
+    context = prompt(13, 2)
+    tree = DraftTree(
+        torch.tensor([int(context[-1]), 5, 9, 17, 33, 2, 40, 8]), torch.tensor([-1, 0, 0, 1, 2, 0, 3, 6])
+    )
+    runner, cache = FixedSteps(mode).tree_target(target, 64)
+    ref_cache = target.new_cache(1, cache.capacity)
+    with torch.no_grad():
+        for c in (cache, ref_cache):
+            target(context[None, :-1], cache=c)
+        logits, h = runner.tree(cache, tree, return_hidden=True)
+        want_logits, want_h = tree_forward(target, ref_cache, tree, return_hidden=True)
+    assert torch.allclose(logits, want_logits, atol=1e-4), (
+        f"{mode}: tree-pass logits differ from the readable ones by {float((logits - want_logits).abs().max()):.1e}"
+    )
+    assert torch.allclose(h, want_h, atol=1e-4), f"{mode}: tree-pass features differ"
+    path = [0, 1, 3, 6, 7]
+    keep_path(cache, len(context) - 1, path)
+    check_cache_holds(f"{mode} tree pass", target, cache, torch.cat([context[:-1], tree.tokens[path]]), 0)
+    head = DraftHead(target.config, torch.arange(0, 64, 2)).attach(target).eval()
+    if mode == "native":  # as generate.py drafts: the head's products in q8_0 through the kernels
+        from cs336_inference.fast import install
+
+        install(head.quantize("q8_0"))
+        with pytest.raises(ValueError, match="before quantize"):
+            save_draft_head(head, "unused")
+    ids = prompt(12, 9)
+    expected = generate(target, ids, 24, stop_token_ids=[])
+    for name, drafter in (
+        ("model tree", ModelTreeDraft(perturbed(target, 0.3), SMALL_TREE)),
+        ("head, adaptive, lookup", HeadDraft(head, SMALL_TREE, adaptive=True, lookup=True)),
+    ):
+        got = tree_generate(target, drafter, ids, 24, stop_token_ids=[], steps=FixedSteps(mode))
+        check_tokens(f"{mode}, {name}", got, expected)
+
+
+def test_head_with_prompt_lookup_greedy_equals_generate():
+    from tests.test_speculative import repetitive_prompt
+
+    target = tiny_model("gqa")
+    head = DraftHead(target.config).attach(target).eval()
+    ids = repetitive_prompt(30, 3)
+    expected = generate(target, ids, 30, stop_token_ids=[])
+    got, stats = tree_generate(
+        target, HeadDraft(head, 4, lookup=True), ids, 30, return_stats=True, stop_token_ids=[]
+    )
+    check_tokens("head with prompt lookup", got, expected)
+    assert stats.accepted > 0, "a repetitive prompt should let prompt lookup's drafts be accepted"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +35,7 @@ from cs336_inference.fast.step.fixed import FixedSteps
 from cs336_inference.model import TransformerLM
 from cs336_inference.sampling import generate
 from cs336_inference.speculative import ModelDraft, speculative_generate
+from cs336_inference.speculative_tree import tree_generate
 
 Log = Callable[[str], None]
 
@@ -57,7 +59,50 @@ REWRITE_PROMPTS = [
     f"Rewrite the following passage in the past tense, changing nothing else:\n\n{PASSAGE}",
     f"Read the passage and list each country it names with its percentage.\n\n{PASSAGE}",
 ]
-WORKLOADS = {"chat": CHAT_PROMPTS, "rewrite": REWRITE_PROMPTS}
+FUNCTION = """def moving_average(values, window):
+    averages = []
+    for i in range(len(values) - window + 1):
+        total = 0
+        for j in range(window):
+            total += values[i + j]
+        averages.append(total / window)
+    return averages"""
+CODE_PROMPTS = [
+    f"Here is a Python function:\n\n{FUNCTION}\n\nRename the variable `total` to `running_sum` and return the "
+    "whole function.",
+    f"Add a docstring to this Python function and return the whole function:\n\n{FUNCTION}",
+    f"Here is a Python function:\n\n{FUNCTION}\n\nAdd type hints to its arguments and return value, and "
+    "return the whole function.",
+    f"Change this function so that it raises ValueError when window is not positive. Return the whole "
+    f"function.\n\n{FUNCTION}",
+]
+WORKLOADS = {"chat": CHAT_PROMPTS, "rewrite": REWRITE_PROMPTS, "code": CODE_PROMPTS}
+
+
+@dataclass
+class TreeDraft:
+    """A benchmark entry for a draft that proposes trees (speculative_tree.py): make(k) builds it for
+    one k (per_k) or once for every k (its own shape; the row's k is its depth)."""
+
+    make: Callable[[int], object]
+    per_k: bool = False
+
+
+def head_entry(name: str, target: TransformerLM, folder=None) -> TreeDraft:
+    """The benchmark's draft-head entries: "head" (chains of k), "head-full" (chains reading out all V
+    tokens), "head-tree" (DEFAULT_TREE), "head-auto" (DEFAULT_TREE, adaptive depth, prompt lookup).
+    The head runs as the CLI runs it: its products in q8_0 through the kernels."""
+    from cs336_inference.draft_head import DEFAULT_HEAD_DIR, HeadDraft, load_draft_head
+    from cs336_inference.fast import install
+    from cs336_inference.speculative_tree import DEFAULT_TREE
+
+    head = load_draft_head(folder or DEFAULT_HEAD_DIR, target, full_vocab=name == "head-full")
+    install(head.quantize("q8_0"))  # as generate.py drafts with it
+    if name in ("head", "head-full"):
+        return TreeDraft(lambda k: HeadDraft(head, k), per_k=True)
+    if name == "head-tree":
+        return TreeDraft(lambda k: HeadDraft(head, DEFAULT_TREE))
+    return TreeDraft(lambda k: HeadDraft(head, DEFAULT_TREE, adaptive=True, lookup=True))
 
 
 def expected_tokens_per_pass(alpha: float, k: int) -> float:
@@ -138,6 +183,9 @@ def speculative_benchmark(
     costs = pass_costs(target, first, sorted(set(ks)), runs, log, step_mode)
     draft_ratio = {}
     for name, draft in drafts.items():
+        if isinstance(draft, TreeDraft):  # measured round by round (SpeculativeStats.draft_seconds)
+            draft_ratio[name] = None
+            continue
         model = draft.model if isinstance(draft, ModelDraft) else draft
         if isinstance(model, TransformerLM):
             draft_ratio[name] = forward_cost(model, first, 1, runs, step_mode) / costs["step_s"]
@@ -167,14 +215,24 @@ def speculative_benchmark(
         n_base = sum(len(t) for t in base_tokens)
         log(f"{wname}: target only, {n_base} tokens in {base_s:.1f} s ({n_base / base_s:.2f} tokens/s)")
         for dname, draft in drafts.items():
-            for k in ks:
+            tree = isinstance(draft, TreeDraft)
+            for k in ks if not tree or draft.per_k else ks[:1]:
                 new = passes = accepted = rejected = drafted = 0
                 spec_times, identical, round_drafts = [], True, []
+                draft_s = verify_s = 0.0
+                drafter = draft.make(k) if tree else draft
+                if tree:
+                    k = drafter.max_depth
                 for ids, ref in zip(prompts, base_tokens, strict=True):
+                    run = (
+                        speculative_generate
+                        if not tree
+                        else lambda t, d, i, n, k, **kw: tree_generate(t, d, i, n, **kw)
+                    )
                     (out, stats), seconds = _timed(
-                        lambda ids=ids, k=k, draft=draft: speculative_generate(
+                        lambda ids=ids, k=k, run=run, drafter=drafter: run(
                             target,
-                            draft,
+                            drafter,
                             ids,
                             max_new_tokens,
                             k=k,
@@ -183,6 +241,8 @@ def speculative_benchmark(
                             steps=None if step_mode is None else FixedSteps(step_mode),
                         )
                     )
+                    draft_s += stats.draft_seconds
+                    verify_s += stats.verify_seconds
                     spec_times.append(seconds)
                     identical &= torch.equal(out, ref)
                     new += stats.new_tokens
@@ -194,7 +254,13 @@ def speculative_benchmark(
                 spec_s = sum(spec_times)
                 alpha = accepted / (accepted + rejected) if accepted + rejected else float("nan")
                 tpp = new / passes
-                round_cost = costs["verify_ratio"][k] + k * draft_ratio[dname]
+                if tree:  # measured per round: drafting (all levels) and the target's tree pass
+                    verify_cost = verify_s / passes / costs["step_s"]
+                    draft_cost = draft_s / passes / costs["step_s"]
+                    round_cost = verify_cost + draft_cost
+                else:
+                    verify_cost, draft_cost = costs["verify_ratio"][k], draft_ratio[dname]
+                    round_cost = verify_cost + k * draft_cost
                 row = dict(
                     workload=wname,
                     draft=dname,
@@ -205,8 +271,10 @@ def speculative_benchmark(
                     predicted_tokens_per_pass_drafted=(
                         expected_tokens_per_pass_drafted(alpha, round_drafts) if alpha == alpha else None
                     ),
-                    verify_cost=costs["verify_ratio"][k],
-                    draft_cost=draft_ratio[dname],
+                    verify_cost=verify_cost,
+                    draft_cost=draft_cost,
+                    draft_cost_per="round" if tree else "step",
+                    drafted_per_pass=drafted / passes,
                     predicted_speedup=tpp / round_cost,
                     speedup=base_s / spec_s,
                     speedup_per_prompt=[b / t for b, t in zip(base_times, spec_times, strict=True)],
@@ -237,9 +305,10 @@ def format_speculative_table(rows: list[dict]) -> str:
         formula = "–" if r["predicted_tokens_per_pass"] is None else f"{r['predicted_tokens_per_pass']:.2f}"
         drafted = r.get("predicted_tokens_per_pass_drafted")
         drafted = "–" if drafted is None else f"{drafted:.2f}"
+        per = " per round" if r.get("draft_cost_per") == "round" else ""
         lines.append(
             f"| {r['workload']} | {r['draft']} | {r['k']} | {r['alpha']:.2f} | {r['tokens_per_pass']:.2f} | "
-            f"{formula} | {drafted} | {r['verify_cost']:.2f} | {r['draft_cost']:.2f} | {r['predicted_speedup']:.2f}x | "
+            f"{formula} | {drafted} | {r['verify_cost']:.2f} | {r['draft_cost']:.2f}{per} | {r['predicted_speedup']:.2f}x | "
             f"{r['speedup']:.2f}x | {'yes' if r['identical'] else 'NO'} |"
         )
     return "\n".join(lines)

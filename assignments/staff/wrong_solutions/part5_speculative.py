@@ -5,6 +5,7 @@ its problem's graded tests lose points and leave every other problem's graded te
 """
 
 FILE = "cs336_inference/speculative.py"
+TREE = "cs336_inference/speculative_tree.py"
 
 WRONG = [
     # ------------------------------------------------------------------ speculative_step
@@ -148,5 +149,106 @@ WRONG = [
         file=FILE,
         find="return list(context[start + n : start + n + k])",
         replace="return list(context[start + n - 1 : start + n - 1 + k])",
+    ),
+    # ------------------------------------------------------------------ tree_verify
+    dict(
+        problem="tree_verify",
+        name="mask_causal",
+        mistake="lets every node see every earlier node (the causal mask of a chain), siblings and cousins "
+        "included",
+        file=TREE,
+        find="mask = torch.eye(T, dtype=torch.bool, device=parents.device)",
+        replace="mask = torch.ones(T, T, dtype=torch.bool, device=parents.device).tril()",
+    ),
+    dict(
+        problem="tree_verify",
+        name="mask_parent_only",
+        mistake="marks a node's parent but not the parent's own ancestors",
+        file=TREE,
+        find="mask[i] |= mask[int(parents[i])]",
+        replace="mask[i, int(parents[i])] = True",
+    ),
+    dict(
+        problem="tree_verify",
+        name="mask_transposed",
+        mistake="returns mask[j, i] (which nodes descend from i) instead of mask[i, j] (i's ancestors)",
+        file=TREE,
+        find="    return mask\n    # END SOLUTION",
+        replace="    return mask.T\n    # END SOLUTION",
+    ),
+    dict(
+        problem="tree_verify",
+        name="keep_path_no_move",
+        mistake="truncates the cache to the path's length without moving the path's K/V down, so the "
+        "cache keeps the first nodes written, whatever was accepted",
+        file=TREE,
+        find="            t[:, :, start : start + len(path)] = t[:, :, src.to(t.device)]",
+        replace="            pass",
+    ),
+    dict(
+        problem="tree_verify",
+        name="keep_path_without_start",
+        mistake="reads the path's K/V from steps path[m] instead of start + path[m]",
+        file=TREE,
+        find="src = torch.tensor(list(path), dtype=torch.long) + start",
+        replace="src = torch.tensor(list(path), dtype=torch.long)",
+    ),
+    dict(
+        problem="tree_verify",
+        name="keep_path_drops_last",
+        mistake="truncates to start + len(path) - 1: the last accepted node's K/V are lost",
+        file=TREE,
+        find="    cache.truncate(start + len(path))\n    # END SOLUTION",
+        replace="    cache.truncate(start + len(path) - 1)\n    # END SOLUTION",
+    ),
+    dict(
+        problem="tree_verify",
+        name="greedy_compares_child_argmax",
+        mistake="accepts the child whose own argmax equals its token, instead of the child equal to the "
+        "parent's argmax",
+        file=TREE,
+        find="nxt = [c for c in kids[node] if int(tree.tokens[c]) == int(best[node])]",
+        replace="nxt = [c for c in kids[node] if int(tree.tokens[c]) == int(best[c])]",
+    ),
+    dict(
+        problem="tree_verify",
+        name="greedy_first_child_only",
+        mistake="looks only at the first child of each node, so a tree accepts what a chain would",
+        file=TREE,
+        find="nxt = [c for c in kids[node] if int(tree.tokens[c]) == int(best[node])]",
+        replace="nxt = [c for c in kids[node][:1] if int(tree.tokens[c]) == int(best[node])]",
+    ),
+    dict(
+        problem="tree_verify",
+        name="greedy_bonus_from_root",
+        mistake="adds the root's argmax after the path instead of the last accepted node's",
+        file=TREE,
+        find="return path, best[node : node + 1]",
+        replace="return path, best[0:1]",
+    ),
+    dict(
+        problem="tree_verify",
+        name="sampled_keeps_rejected_in_p",
+        mistake="after a rejection takes the residual but leaves the rejected token in p, although the "
+        "next child was drawn without it",
+        file=TREE,
+        find="            p[x] = 0.0\n",
+        replace="",
+    ),
+    dict(
+        problem="tree_verify",
+        name="sampled_no_residual",
+        mistake="after a rejection keeps q as it was instead of the residual max(q - p, 0)",
+        file=TREE,
+        find="q = residual / residual.sum() if residual.sum() > 0 else q",
+        replace="q = q",
+    ),
+    dict(
+        problem="tree_verify",
+        name="sampled_ratio_upside_down",
+        mistake="accepts a child with probability min(1, p(x)/q(x)) instead of q(x)/p(x)",
+        file=TREE,
+        find="if float(u) < min(1.0, float(q[x]) / float(p[x])) if p[x] > 0 else q[x] > 0:",
+        replace="if float(u) < min(1.0, float(p[x]) / float(q[x])) if q[x] > 0 else False:",
     ),
 ]

@@ -115,6 +115,9 @@ def _declare(lib: ctypes.CDLL, every: bool = True) -> None:
     if hasattr(lib, "cs336_layers_paged"):  # an older revision's library (bench/kernels_ab.py) may lack it
         lib.cs336_layers_paged.argtypes = [p, p, i64, f32, f32, p, p, p, p, p]
         lib.cs336_layers_paged.restype = ctypes.c_int
+    if hasattr(lib, "cs336_layers_tree"):
+        lib.cs336_layers_tree.argtypes = [p, p, i64, f32, f32, p, p, p, p, p, p]
+        lib.cs336_layers_tree.restype = ctypes.c_int
     lib.cs336_amx_enable.argtypes, lib.cs336_amx_enable.restype = [i32], ctypes.c_int
 
 

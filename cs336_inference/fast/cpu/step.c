@@ -100,22 +100,26 @@ static void rope(float *x, const float *cos, const float *sin, i64 H) {
     for (i64 i = h2; i < H; i++) x[i] = tmp[i] * cos[i] + tmp[i - h2] * sin[i];
 }
 
+/* Key j is visible to a query at step qs of a row with pad left-padding steps unless it is padding,
+   and, in a tree pass (anc != ~0), unless it is a node of the tree (j >= base) that is not one of
+   the query's ancestors (bit j - base of anc; speculative_tree.tree_mask). */
+#define VISIBLE(j) (((j) >= pad || (j) == qs) && ((j) < base || ((anc >> ((j) - base)) & 1ULL)))
+
 /* one query row against its visible keys lo..qs (p: S scores of scratch, o: H outputs); inlined with
    H a constant for the common head sizes, so the output row stays in registers across the keys */
 static inline __attribute__((always_inline)) void attend_row(const float *q, const float *k, const float *v, i64 lo,
-                                                             i64 qs, i64 pad, float scale, float *p, float *o,
-                                                             i64 H) {
+                                                             i64 qs, i64 pad, i64 base, unsigned long long anc,
+                                                             float scale, float *p, float *o, i64 H) {
     float mx = -INFINITY;
     for (i64 j = lo; j <= qs; j++) {
-        int visible = j >= pad || j == qs;
-        p[j] = visible ? dot(q, k + j * H, H) * scale : -INFINITY;
+        p[j] = VISIBLE(j) ? dot(q, k + j * H, H) * scale : -INFINITY;
         if (p[j] > mx) mx = p[j];
     }
     for (i64 j = lo; j <= qs; j++) p[j] -= mx;
     cs336_exp(p + lo, qs - lo + 1); /* decode.c's vector e^x */
     float sum = 0.f;
     for (i64 j = lo; j <= qs; j++) {
-        if (!(j >= pad || j == qs)) p[j] = 0.f; /* not visible */
+        if (!VISIBLE(j)) p[j] = 0.f; /* not visible */
         sum += p[j];
     }
     float acc[512]; /* H <= 512 (cs336_layers) */
@@ -130,9 +134,10 @@ static inline __attribute__((always_inline)) void attend_row(const float *q, con
 
 /* out[m, n*H:(n+1)*H] = softmax(q k^T * scale over the visible keys) v for every row m = (b, t) and
    query head n (K/V head n / (N/K)). Visible: step j <= the query's step, inside the window, and not
-   left padding (pad[b] > j) unless j is the query's own step (attention.attention_mask). */
+   left padding (pad[b] > j) unless j is the query's own step (attention.attention_mask); with tree
+   (a tree pass: T <= 64 new steps from steps[0] on), also an ancestor of the query (bits of tree[t]). */
 static void attend(const i64 *dims, const float *qkv, const float *kc, const float *vc, i64 window,
-                   const i64 *steps, const i64 *pad, float scale, float *out) {
+                   const i64 *steps, const i64 *pad, const i64 *tree, float scale, float *out) {
     i64 B = dims[0], T = dims[1], N = dims[3], K = dims[4], H = dims[5], S = dims[7];
     i64 QKV = (N + 2 * K) * H, tasks = B * T * N;
     int threads = (int)dims[8];
@@ -144,13 +149,15 @@ static void attend(const i64 *dims, const float *qkv, const float *kc, const flo
             i64 m = task / N, n = task % N, b = m / T, t = m % T, g = n / (N / K), qs = steps[t];
             const float *q = qkv + m * QKV + n * H, *k = kc + (b * K + g) * S * H, *v = vc + (b * K + g) * S * H;
             i64 lo = window > 0 && qs - window + 1 > 0 ? qs - window + 1 : 0;
+            i64 base = tree ? steps[0] : INT64_MAX;
+            unsigned long long anc = tree ? (unsigned long long)tree[t] : ~0ULL;
             float *o = out + m * N * H + n * H;
             if (H == 64)
-                attend_row(q, k, v, lo, qs, pad[b], scale, p, o, 64);
+                attend_row(q, k, v, lo, qs, pad[b], base, anc, scale, p, o, 64);
             else if (H == 128)
-                attend_row(q, k, v, lo, qs, pad[b], scale, p, o, 128);
+                attend_row(q, k, v, lo, qs, pad[b], base, anc, scale, p, o, 128);
             else
-                attend_row(q, k, v, lo, qs, pad[b], scale, p, o, H);
+                attend_row(q, k, v, lo, qs, pad[b], base, anc, scale, p, o, H);
         }
         free(p);
     }
@@ -235,6 +242,7 @@ static void attend_paged(i64 M, i64 N, i64 K, i64 H, const float *qkv, const flo
 typedef struct {
     const i64 *dims;                /* static: {B, T, D, N, K, H, F, S, threads} */
     const i64 *steps, *pad;         /* static: the T new steps (cache slots), the rows' left padding */
+    const i64 *tree;                /* static, a tree pass: each new step's ancestors as bits, or NULL */
     const i64 *pos, *slot, *seq;    /* paged: per row its step, its slot, its sequence */
     const i64 *tables;              /* paged: [sequences, n_blocks] block tables */
     i64 n_blocks, bs;
@@ -287,7 +295,7 @@ static int layers_body(Rows *r, i64 M, i64 D, i64 N, i64 K, i64 H, i64 F, int th
         }
         phase(P_ROPE, &t); /* with the cache writes */
         if (r->dims)
-            attend(r->dims, qkv, kc, vc, L[4], r->steps, r->pad, scale, att);
+            attend(r->dims, qkv, kc, vc, L[4], r->steps, r->pad, r->tree, scale, att);
         else
             attend_paged(M, N, K, H, qkv, kc, vc, L[4], r->pos, r->keys, r->first, scale, threads, att);
         phase(P_ATTEND, &t);
@@ -315,7 +323,18 @@ static int layers_body(Rows *r, i64 M, i64 D, i64 N, i64 K, i64 H, i64 F, int th
    steps [T] (the new tokens' steps = cache slots); pad [B]. Returns 0, or -1 if out of memory. */
 int cs336_layers(const i64 *dims, const i64 *layers, i64 n_layers, float eps, float scale, float *x,
                  const float *cos, const float *sin, const i64 *steps, const i64 *pad) {
-    Rows r = {dims, steps, pad, NULL, NULL, NULL, NULL, 0, 0, NULL, NULL};
+    Rows r = {dims, steps, pad, NULL, NULL, NULL, NULL, NULL, 0, 0, NULL, NULL};
+    return layers_body(&r, dims[0] * dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], (int)dims[8], layers,
+                       n_layers, eps, scale, x, cos, sin);
+}
+
+/* cs336_layers for a tree of T <= 64 drafts (speculative_tree.py): new step steps[0] + i is node i,
+   which attends to the steps before steps[0] and to the nodes whose bits tree[i] sets (its ancestors
+   and itself); cos and sin carry the nodes' positions (their depths), not their steps. */
+int cs336_layers_tree(const i64 *dims, const i64 *layers, i64 n_layers, float eps, float scale, float *x,
+                      const float *cos, const float *sin, const i64 *steps, const i64 *pad, const i64 *tree) {
+    if (dims[1] > 64) return -1;
+    Rows r = {dims, steps, pad, tree, NULL, NULL, NULL, NULL, 0, 0, NULL, NULL};
     return layers_body(&r, dims[0] * dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], (int)dims[8], layers,
                        n_layers, eps, scale, x, cos, sin);
 }
@@ -327,7 +346,7 @@ int cs336_layers(const i64 *dims, const i64 *layers, i64 n_layers, float eps, fl
 int cs336_layers_paged(const i64 *dims, const i64 *layers, i64 n_layers, float eps, float scale, float *x,
                        const float *cos, const float *sin, const i64 *rows, const i64 *tables) {
     i64 M = dims[0];
-    Rows r = {NULL, NULL, NULL, rows, rows + M, rows + 2 * M, tables, dims[6], dims[7], NULL, NULL};
+    Rows r = {NULL, NULL, NULL, NULL, rows, rows + M, rows + 2 * M, tables, dims[6], dims[7], NULL, NULL};
     return layers_body(&r, M, dims[1], dims[2], dims[3], dims[4], dims[5], (int)dims[8], layers, n_layers, eps,
                        scale, x, cos, sin);
 }

@@ -106,6 +106,12 @@ class StaticDecodeStep:
         # a pad (zeros if none) makes ForwardContext build the causal mask, which hides unwritten slots
         self.pad = torch.zeros(B, dtype=torch.long, device=device) if cache.pad is None else cache.pad
         self.view = _FixedCache([None if s is None else _FixedStore(s, self.steps) for s in cache.layers])
+        # a tree pass (FixedShapes.tree): the nodes' depths (positions pos + depth), their ancestors as
+        # a bool mask (eager) and as bits (native); None for ordinary steps
+        self.depth = torch.zeros(T, dtype=torch.long, device=device)
+        self.tree: Tensor | None = None
+        self.tree_bits: Tensor | None = None
+        self.hidden: Tensor | None = None  # the last forward's final-norm output [B, T, D]
         self.native = NativeLayers(model, cache) if native else None  # every layer in one C call
         # native: our product first, each row's logits independent of T (with it, SmolLM2's compiled
         # 5-token verify pass went from 1.43x to 1.23x a step: docs/kernels.md, Intel Xeon)
@@ -114,17 +120,21 @@ class StaticDecodeStep:
     def forward(self) -> Float[Tensor, "B T V"]:
         model = self.model
         torch.add(self.pos, self.offsets, out=self.steps)
-        positions = (self.steps[None] - self.pad[:, None]).clamp(min=0)
+        at = self.steps if self.tree is None else self.pos + self.depth
+        positions = (at[None] - self.pad[:, None]).clamp(min=0)
         ctx = ForwardContext(
             self.steps, 0, model.rope_cos[positions], model.rope_sin[positions], pad=self.pad, cache=self.view
         )
+        if self.tree is not None:  # eager only (FixedShapes.tree refuses compile and graph modes)
+            ctx.tree, ctx.tree_start = self.tree, int(self.pos)
         x = model.embed(self.ids)
         if self.native is not None:
-            x = self.native(x, ctx.cos, ctx.sin, self.steps, self.pad)
+            x = self.native(x, ctx.cos, ctx.sin, self.steps, self.pad, self.tree_bits)
         else:
             for block in model.layers:
                 x = block(x, ctx)
-        return self.output(model.norm(x))
+        self.hidden = model.norm(x)
+        return self.output(self.hidden)
 
 
 def _forward(step: StaticDecodeStep) -> Tensor:
@@ -236,6 +246,7 @@ class FixedShapes:
         self.model, self.cache, self.T_max, self.mode = model, cache, T_max, mode
         self.config, self.embed = model.config, model.embed
         self.steps = {1: FixedStep(model, cache, mode, 1)}  # checks the cache and the mode
+        self.trees: dict[int, FixedStep] = {}  # tree passes by node count (tree)
 
     def __call__(self, ids: Int[Tensor, "1 T"], cache: KVCache, last_only: bool = False) -> Tensor:
         if cache is not self.cache:
@@ -252,6 +263,35 @@ class FixedShapes:
         cache.pos = start + T
         return (logits[:, None] if size == 1 else logits[:, :T]).clone()
 
+    def tree(self, cache: KVCache, tree, return_hidden: bool = False):
+        """speculative_tree's target pass over a tree of drafts as a fixed-shape step of its T nodes:
+        logits [T, V] (and the features [T, D] with return_hidden). Native or eager steps only."""
+        from cs336_inference.speculative_tree import tree_depths, tree_mask
+
+        if cache is not self.cache:
+            raise ValueError("a FixedShapes model runs the cache it was made with, not another")
+        if self.mode not in ("native", "eager", None) or self.embed.weight.device.type != "cpu":
+            raise ValueError("tree passes run as native or eager fixed-shape steps on the CPU")
+        T, start = len(tree), cache.pos
+        if T not in self.trees:
+            self.trees[T] = FixedStep(self.model, cache, self.mode, T)
+        step = self.trees[T]
+        inner = step.step
+        if T > 1:
+            mask = tree_mask(tree.parents)
+            inner.depth.copy_(tree_depths(tree.parents))
+            inner.tree, inner.tree_bits = mask, _tree_bits(mask)
+        logits = step(tree.tokens[None])
+        cache.pos = start + T
+        logits = (logits[:, None] if T == 1 else logits)[0].clone()
+        return (logits, inner.hidden[0].clone()) if return_hidden else logits
+
+
+def _tree_bits(mask: Tensor) -> Tensor:
+    """Each row of a [T, T] bool mask (T <= 64) as the bits of one int64 (bit j = column j)."""
+    T = mask.shape[0]
+    return (mask.long() << torch.arange(T, device=mask.device)).sum(dim=-1)
+
 
 class FixedSteps:
     """speculative decoding's `Steps` (speculative.py): the target's (and a model draft's) forwards as
@@ -267,6 +307,12 @@ class FixedSteps:
 
     def __call__(self, model, cache: KVCache, T: int) -> FixedShapes:
         return FixedShapes(model, cache, T, self.mode)
+
+    def tree_target(self, model, length: int) -> tuple[FixedShapes, KVCache]:
+        """speculative_tree's target: a cache for `length` steps and the FixedShapes that runs its tree
+        passes (`FixedShapes.tree`) and, eagerly, the prompt's prefill."""
+        cache = model.new_cache(1, fixed_capacity(length, model.config.max_seq_len))
+        return FixedShapes(model, cache, 1, self.mode), cache
 
 
 @torch.inference_mode()

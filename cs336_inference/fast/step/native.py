@@ -209,11 +209,18 @@ class NativeLayers:
         sin: Float[Tensor, "B T H"],
         steps: Int[Tensor, " T"],
         pad: Int[Tensor, " B"],
+        tree: Int[Tensor, " T"] | None = None,
     ) -> Float[Tensor, "B T D"]:
+        """tree: a tree pass (speculative_tree.py): new step steps[0] + i sees the new steps whose bits
+        tree[i] sets (its ancestors and itself), T <= 64."""
         B, T, _ = x.shape
         D, N, K, H, F = self.shape
         S = self.cache.layers[0].k.shape[2]
-        return self._run(self.lib.cs336_layers, [B, T, D, N, K, H, F, S], x, cos, sin, steps, pad)
+        if tree is None:
+            return self._run(self.lib.cs336_layers, [B, T, D, N, K, H, F, S], x, cos, sin, steps, pad)
+        if T > 64 or not hasattr(self.lib, "cs336_layers_tree"):
+            raise ValueError(f"the native tree pass takes up to 64 nodes with this library, got {T}")
+        return self._run(self.lib.cs336_layers_tree, [B, T, D, N, K, H, F, S], x, cos, sin, steps, pad, tree)
 
     def _run(self, fn, dims: list[int], x: Tensor, *inputs: Tensor) -> Tensor:
         """fn(dims + [threads], the layers' descriptor, L, eps, scale, x, *inputs): x updated in place."""
