@@ -19,6 +19,8 @@ Three stages, each resumable, driven by scripts/train_draft.py:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import random
 import re
@@ -83,17 +85,22 @@ CODE_TASKS = [
 ]
 
 
-def draft_prompts(texts: list[str], seed: int = 0) -> list[str]:
-    """Chat requests built from the topics' paragraphs and code examples (every paragraph once, a task
-    drawn for each)."""
-    rng = random.Random(seed)
-    prompts = []
+def draft_prompts(texts: list[str], seed: int = 0, tasks: int = 1) -> list[str]:
+    """Chat requests built from the topics' paragraphs and code examples: one task drawn for each
+    (the list shuffled), then, with tasks > 1, tasks - 1 other tasks for each (shuffled, after)."""
+    rng, more = random.Random(seed), random.Random(seed + 1)
+    first, extra = [], []
     for text in texts:
         prose, code = _paragraphs(text)
-        prompts += [rng.choice(PROSE_TASKS).format(p) for p in prose]
-        prompts += [rng.choice(CODE_TASKS).format(c) for c in code]
-    rng.shuffle(prompts)
-    return prompts
+        for items, kinds in ((prose, PROSE_TASKS), (code, CODE_TASKS)):
+            for item in items:
+                task = rng.choice(kinds)
+                first.append(task.format(item))
+                others = [t for t in kinds if t != task]
+                extra += [t.format(item) for t in more.sample(others, min(tasks - 1, len(others)))]
+    rng.shuffle(first)
+    more.shuffle(extra)
+    return first + extra
 
 
 def answer_prompts(
@@ -117,6 +124,7 @@ def answer_prompts(
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     out: list[list[int]] = []
     began = time.perf_counter()
+    log(f"  {len(ids)} prompts to answer")
     for start in range(0, len(ids), 8 * batch):  # the engine keeps `batch` running; a log line per group
         group = ids[start : start + 8 * batch]
         answers = engine.generate(group, params)
@@ -138,9 +146,10 @@ def write_features(
     target: TransformerLM, sequences: list[list[int]], folder: str | Path, chunk_tokens: int = 32768,
     log: Log = print,
 ) -> list[Path]:  # fmt: skip
-    """Teacher-forced features of every sequence, in chunks folder/features-NNNNN.safetensors:
+    """Teacher-forced features of every sequence, in chunks folder/features-<hash>.safetensors:
     tokens [N] int32, feats [N, D] float16, labels [N] int32 (the target's argmax at each position),
-    starts [M + 1] int64 (sequence boundaries). A chunk already there is kept (resumable)."""
+    starts [M + 1] int64 (sequence boundaries). A chunk of the same sequences already there is kept
+    (resumable). Returns the chunks' paths in order."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     chunks, group, size = [], [], 0
@@ -155,7 +164,8 @@ def write_features(
     paths = []
     began = time.perf_counter()
     for c, group in enumerate(chunks):
-        path = folder / f"features-{c:05d}.safetensors"
+        key = hashlib.sha1(json.dumps(group).encode()).hexdigest()[:12]  # same sequences, same file
+        path = folder / f"features-{key}.safetensors"
         paths.append(path)
         if path.exists():
             continue
@@ -175,6 +185,21 @@ def write_features(
             f"  features: chunk {c + 1}/{len(chunks)} ({starts[-1]} tokens, {time.perf_counter() - began:.0f} s)"
         )
     return paths
+
+
+def answer_starts(sequences: list[list[int]], header: list[int]) -> list[int]:
+    """Per sequence, the index of its first answer token: just after the last chat header (the
+    template's "assistant" turn opening); len(sequence) when there is none (plain text)."""
+    out = []
+    n = len(header)
+    for seq in sequences:
+        at = len(seq)
+        for i in range(len(seq) - n, -1, -1):
+            if seq[i : i + n] == header:
+                at = i + n
+                break
+        out.append(at)
+    return out
 
 
 def load_features(paths: list[Path]) -> dict[str, Tensor]:
@@ -199,11 +224,37 @@ def frequent_tokens(labels: Int[Tensor, " N"], n: int, always: list[int] = ()) -
     return torch.tensor(sorted(set(top) | set(always)))
 
 
-def windows(data: dict[str, Tensor], T: int) -> Int[Tensor, "M 2"]:
-    """(start, length) of training windows: each sequence cut into pieces of at most T + 1 positions
-    (position 0 of a piece supplies only the feature h_{j-1} of the next)."""
+def generation_header(tokenizer) -> list[int]:
+    """The token ids the chat template puts before an answer (its generation prompt)."""
+    messages = [{"role": "user", "content": "x"}]
+    with_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    without = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    return tokenizer.encode(with_prompt[len(without) :], add_special_tokens=False)
+
+
+def mark_answers(data: dict[str, Tensor], header: list[int]) -> dict[str, Tensor]:
+    """data with "answer": a bool [N], True at every answer token (after a sequence's last header)."""
+    starts = data["starts"].tolist()
+    seqs = [data["tokens"][a:b].tolist() for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    answer = torch.zeros(len(data["tokens"]), dtype=torch.bool)
+    for a, seq, at in zip(starts[:-1], seqs, answer_starts(seqs, header), strict=True):
+        answer[a + at : a + len(seq)] = True
+    return {**data, "answer": answer}
+
+
+def training_windows(data: dict[str, Tensor], T: int) -> Int[Tensor, "M 2"]:
+    """(start, length) of training windows. With an "answer" mask: one per sequence that has an
+    answer, its last T + 1 positions (the answer and the prompt before it); else each sequence cut
+    into pieces of at most T + 1 positions. Position 0 of a window supplies only the feature h_{j-1}
+    of the next."""
     out = []
     starts = data["starts"].tolist()
+    if "answer" in data:
+        for a, b in zip(starts[:-1], starts[1:], strict=True):
+            if bool(data["answer"][a:b].any()):
+                s = max(a, b - (T + 1))
+                out.append((s, b - s))
+        return torch.tensor(out)
     for a, b in zip(starts[:-1], starts[1:], strict=True):
         for s in range(a, b - 1, T):
             n = min(T + 1, b - s)
@@ -232,7 +283,9 @@ class DraftSettings:
 
 
 def _batch(data, wins: Tensor, rows: list[int], T: int, device) -> tuple[Tensor, ...]:
-    """Padded [B, T] inputs: tokens x_j, features h_{j-1}, targets h_j, labels y_j, and a valid mask."""
+    """Padded [B, T] inputs: tokens x_j, features h_{j-1}, targets h_j and labels y_j (-1: not a
+    position that counts: padding, or, when data has an "answer" mask, a label that is not an answer
+    token's prediction)."""
     B = len(rows)
     D = data["feats"].shape[1]
     x = torch.zeros(B, T, dtype=torch.long)
@@ -246,6 +299,10 @@ def _batch(data, wins: Tensor, rows: list[int], T: int, device) -> tuple[Tensor,
         prev[b, :m] = data["feats"][s : s + m].float()
         want[b, :m] = data["feats"][s + 1 : s + n].float()
         y[b, :m] = data["labels"][s + 1 : s + n]
+        if "answer" in data:  # y_j predicts x_{j+1}: it counts when x_{j+1} is an answer token
+            keep = data["answer"][s + 2 : s + n + 1]
+            y[b, : len(keep)] = torch.where(keep, y[b, : len(keep)], -1)
+            y[b, len(keep) : m] = -1
     return x.to(device), prev.to(device), want.to(device), y.to(device)
 
 
@@ -322,7 +379,7 @@ def train_draft_head(
     if resume and (folder / "state.json").exists():
         step, history = load_checkpoint(folder, head, optimizer, generator, s)
         log(f"resumed at step {step}")
-    wins, held_wins = windows(train, s.T), windows(held, s.T)
+    wins, held_wins = training_windows(train, s.T), training_windows(held, s.T)
     per_epoch = math.ceil(len(wins) / s.batch_size)
     if step == 0:
         history.append({"step": 0, "epoch": 0.0} | held_out_acceptance(head, held, held_wins, s.T, s.unroll))

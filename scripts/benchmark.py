@@ -1,9 +1,11 @@
 """Benchmarks. `decode`: how fast is token-by-token generation, and how far from the memory roofline?
 `quant`: fp32 and every quantization method in one table (bytes, perplexity, KL, decode tokens/s).
-`speculative`: greedy speculative decoding of SmolLM2-135M (prompt lookup and/or an int8 draft) on a
-chat and a rewrite workload, k = 1..8: alpha, tokens per pass vs the formula, pass costs, speedup.
+`speculative`: greedy speculative decoding of SmolLM2-135M (prompt lookup, the target quantized, the
+trained draft head as chains and trees) on chat, rewrite and code-editing workloads, k = 1..8: alpha,
+tokens per pass vs the formula, pass costs, speedup.
 
     python scripts/benchmark.py speculative --prompts 1 --max-new-tokens 32 --out runs/spec.json --plot spec.png
+    python scripts/benchmark.py speculative --native --ks 2,4 --drafts ngram,head,head-tree,head-auto
 
 `gpu`: on a CUDA GPU, eager vs CUDA-graph decode steps in bf16 / int8 / int4 and transformers, with
 the roofline fraction (cs336_inference/bench/gpu.py).

@@ -3,13 +3,13 @@
     python scripts/train_draft.py                       # about 45 minutes on 2 cores, into runs/draft-head
     python scripts/train_draft.py --prompts 64 --steps 50 --out /tmp/head   # a quick trial
 
-1. chat prompts cut from CPython's pydoc topics (every 10th topic held out), answered by the target
-   itself, greedy, on the serving engine (runs/draft-head/work/answers-*.json);
-2. the target's features and argmax over those answers and the documentation's text, in chunks
-   (work/train/, work/held/);
-3. the head trained on them (checkpoints in work/checkpoint/, resumed if there); the held-out
-   acceptance is printed at every evaluation.
-Every stage keeps what an earlier run wrote, so an interrupted run goes on where it stopped. The head
+1. chat prompts cut from CPython's pydoc topics (every 10th topic held out; --tasks tasks for each
+   paragraph or code example), answered by the target itself, greedy, on the serving engine
+   (work/answers-N.json, N the answer length cap);
+2. the target's features and argmax over prompts and answers, in chunks (work/features/);
+3. the head trained on the answers (checkpoints in work/checkpoint/, resumed if there); the held-out
+   acceptance on the held-out topics' answers is printed at every evaluation.
+Every stage keeps what is already on disk, so an interrupted command goes on where it stopped. The head
 is saved as runs/draft-head/draft_head.safetensors + draft_head.json, where `generate.py --draft head`
 and `benchmark.py speculative --drafts head` look for it.
 """
@@ -38,30 +38,30 @@ def parse_args(argv):
     p.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help=f"where the head goes (default {DEFAULT_OUT})"
     )
-    p.add_argument("--prompts", type=int, default=0, help="training prompts to answer (0: all, about 1,100)")
+    p.add_argument("--prompts", type=int, default=1800, help="training prompts to answer (0: all)")
+    p.add_argument(
+        "--tasks", type=int, default=2, help="tasks per paragraph or code example (prompts: 902 each)"
+    )
     p.add_argument("--held-prompts", type=int, default=96, help="held-out prompts to answer")
-    p.add_argument("--max-new-tokens", type=int, default=160, help="answer length cap")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="answer length cap")
     p.add_argument(
         "--vocab", type=int, default=8192, help="draft vocabulary: the most frequent tokens (0: all)"
     )
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--window", type=int, default=256)
+    p.add_argument(
+        "--window", type=int, default=256, help="positions per training window (a sequence's last)"
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--unroll", type=int, default=2, help="training passes (2: also from its own features)")
-    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument(
+        "--w-token", type=float, default=0.5, help="weight of the cross-entropy (the feature loss: 1)"
+    )
+    p.add_argument("--eval-every", type=int, default=125)
     p.add_argument("--threads", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--markdown", type=Path, help="also write the training log for docs/ (command, CPU, date)")
     return p.parse_args(argv)
-
-
-def answers(path: Path, make) -> list[list[int]]:
-    if path.exists():
-        return json.loads(path.read_text())
-    seqs = make()
-    path.write_text(json.dumps(seqs))
-    return seqs
 
 
 def main(argv=None) -> int:
@@ -83,40 +83,45 @@ def main(argv=None) -> int:
     began = time.perf_counter()
 
     train_texts, held_texts = dt.topic_split()
-    train_prompts, held_prompts = (
-        dt.draft_prompts(train_texts, args.seed),
-        dt.draft_prompts(held_texts, args.seed),
-    )
+    train_prompts = dt.draft_prompts(train_texts, args.seed, tasks=args.tasks)
+    held_prompts = dt.draft_prompts(held_texts, args.seed)[: args.held_prompts]
     if args.prompts:
         train_prompts = train_prompts[: args.prompts]
-    held_prompts = held_prompts[: args.held_prompts]
     log(f"1. answers: {len(train_prompts)} training and {len(held_prompts)} held-out prompts, "
         f"up to {args.max_new_tokens} tokens each")  # fmt: skip
-    from cs336_inference.fast import install
+    cache_file = work / f"answers-{args.max_new_tokens}.json"  # prompt -> prompt + answer ids
+    answered = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+    todo = [p for p in dict.fromkeys(train_prompts + held_prompts) if p not in answered]
+    if todo:
+        from cs336_inference.fast import install, uninstall
 
-    install(target)  # the engine on the fast path; the features below come from the readable forward
-    chats = {}
-    for name, prompts in (("train", train_prompts), ("held", held_prompts)):
-        chats[name] = answers(work / f"answers-{name}.json",
-                              lambda prompts=prompts: dt.answer_prompts(target, tok, prompts, args.max_new_tokens, log=log))  # fmt: skip
-    from cs336_inference.fast import uninstall
-
-    uninstall(target)
-    log("2. features")
+        install(target)  # the engine on the fast path; the features below come from the readable forward
+        for start in range(0, len(todo), 256):  # saved as it goes
+            group = todo[start : start + 256]
+            answered |= dict(
+                zip(group, dt.answer_prompts(target, tok, group, args.max_new_tokens, log=log), strict=True)
+            )
+            cache_file.write_text(json.dumps(answered))
+        uninstall(target)
+    chats = {"train": [answered[p] for p in train_prompts], "held": [answered[p] for p in held_prompts]}
+    log("2. features (of the answers and the prompts before them; the losses count the answers)")
+    header = dt.generation_header(tok)
     data = {}
-    for name, texts in (("train", train_texts), ("held", held_texts)):
-        seqs = chats[name] + dt.text_windows(tok, texts, args.window)
-        paths = dt.write_features(target, seqs, work / name, log=log)
-        data[name] = dt.load_features(paths)
-        log(f"  {name}: {len(data[name]['tokens'])} positions in {len(seqs)} sequences")
+    for name in ("train", "held"):
+        paths = dt.write_features(target, chats[name], work / "features", log=log)
+        data[name] = dt.mark_answers(dt.load_features(paths), header)
+        log(f"  {name}: {int(data[name]['answer'].sum())} answer tokens in {len(chats[name])} sequences")
 
     always = list(dict.fromkeys([*tok.eos_token_ids, *target.config.eos_token_ids]))
-    vocab = None if args.vocab == 0 else dt.frequent_tokens(data["train"]["labels"], args.vocab, always)
+    labels = {name: d["labels"][torch.roll(d["answer"], -1)] for name, d in data.items()}  # answers' argmax
+    vocab = None if args.vocab == 0 else dt.frequent_tokens(labels["train"], args.vocab, always)
     if vocab is not None:
-        covered = torch.isin(data["held"]["labels"], vocab).float().mean()
+        covered = torch.isin(labels["held"], vocab).float().mean()
         log(f"  draft vocabulary: {len(vocab)} tokens cover {covered:.1%} of the held-out argmax tokens")
-    summary = [f"data: {len(data['train']['tokens'])} training positions ({len(chats['train'])} answers and the "
-               f"documentation), {len(data['held']['tokens'])} held out ({len(chats['held'])} answers, held-out topics)"]  # fmt: skip
+    summary = [
+        f"data: {int(data['train']['answer'].sum())} answer tokens of {len(chats['train'])} training prompts, "
+        f"{int(data['held']['answer'].sum())} of {len(chats['held'])} held-out prompts (other topics)"
+    ]
     if vocab is not None:
         summary.append(
             f"draft vocabulary: the {len(vocab)} most frequent argmax tokens ({covered:.1%} of the held-out ones)"
@@ -126,7 +131,7 @@ def main(argv=None) -> int:
     history = dt.train_draft_head(
         head, data["train"], data["held"], work / "checkpoint", log=log, steps=args.steps,
         batch_size=args.batch_size, T=args.window, lr=args.lr, unroll=args.unroll,
-        eval_every=args.eval_every, seed=args.seed,
+        eval_every=args.eval_every, seed=args.seed, w_token=args.w_token,
     )  # fmt: skip
     save_draft_head(head, args.out, {"history": history, "model": str(source)})
     if args.markdown:

@@ -481,3 +481,27 @@ def test_head_with_prompt_lookup_greedy_equals_generate():
     )
     check_tokens("head with prompt lookup", got, expected)
     assert stats.accepted > 0, "a repetitive prompt should let prompt lookup's drafts be accepted"
+
+
+def test_answer_masks_count_only_answer_predictions():
+    """With an answer mask, a training window is a sequence's tail and only the labels that predict an
+    answer token count (the prompt before the answer is context only)."""
+    from cs336_inference import draft_training as dt
+
+    header = [7, 8]
+    seqs = [[1, 2, 7, 8, 3, 4, 5], [9, 9, 9], [1, 7, 8, 6]]
+    assert dt.answer_starts(seqs, header) == [4, 3, 3]
+    N = sum(len(s) for s in seqs)
+    starts = torch.tensor([0, 7, 10, 14])
+    data = {"tokens": torch.tensor(sum(seqs, [])), "feats": torch.randn(N, 4).half(),
+            "labels": torch.arange(N) + 100, "starts": starts}  # fmt: skip
+    data = dt.mark_answers(data, header)
+    assert data["answer"].nonzero().flatten().tolist() == [4, 5, 6, 13]
+    wins = dt.training_windows(data, T=4)
+    assert wins.tolist() == [[2, 5], [10, 4]], (
+        "one window per sequence with an answer: its last T + 1 positions"
+    )
+    x, prev, want, y = dt._batch(data, wins, [0, 1], 4, "cpu")
+    # window (2, 5): inputs are positions 3..6; label y_j counts when x_{j+1} is an answer token
+    assert x[0].tolist() == [8, 3, 4, 5] and y[0].tolist() == [103, 104, 105, -1]
+    assert x[1].tolist() == [7, 8, 6, 0] and y[1].tolist() == [-1, 112, -1, -1]
