@@ -275,7 +275,7 @@ class DraftSettings:
     weight_decay: float = 0.0
     clip: float = 1.0
     w_feature: float = 1.0
-    w_token: float = 0.1
+    w_token: float = 0.5
     unroll: int = 2
     noise: float = 0.02
     eval_every: int = 200

@@ -354,6 +354,24 @@ class SpeculativeStats:
     verify_seconds: float = 0.0  # tree rounds: time spent in the target's passes and the walk
     caches: dict = field(default_factory=dict, repr=False)  # for tests: {"target": KVCache, ...}
 
+    def count_round(self, drafted: int, emitted: int, rejected: bool) -> None:
+        """One round: `drafted` tokens proposed, `emitted` out (the accepted drafts and one more),
+        `rejected`: whether the round ended at a rejected draft (else at a bonus token)."""
+        self.target_passes += 1
+        self.drafted += drafted
+        self.round_drafts.append(drafted)
+        self.accepted += emitted - 1
+        self.rejected += int(rejected)
+
+    def emit(self, new: Tensor, stops: set[int]) -> Iterator[int]:
+        """Yield a round's tokens, counting them; returns True after a stop token (it is yielded)."""
+        for token in new.tolist():
+            self.new_tokens += 1
+            yield token
+            if token in stops:
+                return True
+        return False
+
     @property
     def alpha(self) -> float:
         examined = self.accepted + self.rejected
@@ -501,18 +519,11 @@ def _rounds(target, drafter, ids, k, params: SamplingParams, stats, steps) -> It
                 f"verify_drafts returned {len(new)} tokens for {len(drafts)} drafts; a round emits the "
                 f"accepted drafts and one more token (1 to {len(drafts) + 1})"
             )
-        stats.target_passes += 1
-        stats.drafted += len(drafts)
-        stats.round_drafts.append(len(drafts))
-        stats.accepted += len(new) - 1
-        stats.rejected += int(len(new) - 1 < len(drafts))
+        stats.count_round(len(drafts), len(new), rejected=len(new) - 1 < len(drafts))
         context[n : n + len(new)] = new
         n += len(new)
-        for token in new.tolist():
-            stats.new_tokens += 1
-            yield token
-            if token in stops:
-                return
+        if (yield from stats.emit(new, stops)):
+            return
 
 
 def speculative_generate(

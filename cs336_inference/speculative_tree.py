@@ -480,18 +480,12 @@ def _tree_rounds(target, draft, ids, params: SamplingParams, stats, steps) -> It
             draft.record(tree, path, drafted_s, verify_s)
         if features:
             draft.observe(h)
-        stats.target_passes += 1
-        stats.drafted += len(tree) - 1
-        stats.round_drafts.append(len(tree) - 1)
-        stats.accepted += len(new) - 1
-        stats.rejected += int(bool(children_of(tree.parents)[path[-1]]))  # the walk stopped at a rejection
+        # the walk ended at a rejection when its last node has children (else: a bonus token)
+        stats.count_round(len(tree) - 1, len(new), rejected=bool(children_of(tree.parents)[path[-1]]))
         context[n : n + len(new)] = new
         n += len(new)
-        for token in new.tolist():
-            stats.new_tokens += 1
-            yield token
-            if token in stops:
-                return
+        if (yield from stats.emit(new, stops)):
+            return
 
 
 class _FeatureTarget:
