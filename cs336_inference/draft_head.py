@@ -209,9 +209,10 @@ class HeadDraft:
     adaptive: each round the depth of the tree is chosen by `speculative_tree.AdaptiveDepth` from the
     measured acceptance per depth and the measured cost of drafting and verifying each depth;
     depth 0 (no drafts: a plain decode step) is among the choices.
-    lookup: prompt lookup as well (speculative.prompt_lookup, n = 3 down to 2): where the context's
-    tail occurred before, greedy rounds hang the tokens that followed it (as many as the depth) from
-    the root beside the head's tree; sampled rounds draft them alone, as a chain with one-hot p.
+    lookup: prompt lookup first (speculative.prompt_lookup, n = 3 down to 2): where the context's
+    tail occurred before, the round drafts the tokens that followed it (as many as the round's depth)
+    as a chain with one-hot p instead of the head's tree (a copy runs long, and a chain's verify pass
+    is cheaper than a tree's).
     """
 
     reads_features = True
@@ -264,23 +265,18 @@ class HeadDraft:
             raise ValueError(f"the head has the features of {self.known} positions, expected {n - 1}")
         if depth == 0 or n < 2:
             return DraftTree(context[-1:], torch.tensor([-1], device=device))
-        found = []
         if self.lookup:
             from .speculative import prompt_lookup
 
-            found = prompt_lookup(context.tolist(), depth, n_max=3, n_min=2)
-            if found and params.temperature != 0.0:  # deterministic drafts: p one-hot, a chain alone
-                V = head.config.vocab_size
+            found = prompt_lookup(context.tolist(), depth, 3, 2)
+            if found:  # the continuation alone, a chain of deterministic drafts (p one-hot)
                 chain = torch.tensor([int(context[-1]), *found], device=device)
-                p = torch.zeros(len(chain), V, device=device)
-                p[torch.arange(len(found)), chain[1:]] = 1.0
+                p = None
+                if params.temperature != 0.0:
+                    p = torch.zeros(len(chain), head.config.vocab_size, device=device)
+                    p[torch.arange(len(found)), chain[1:]] = 1.0
                 return DraftTree(chain, torch.arange(-1, len(found), device=device), p)
-        tree = self._head_tree(context, params, generator, depth)
-        if found:
-            from .speculative_tree import add_path
-
-            tree = add_path(tree, found)
-        return tree
+        return self._head_tree(context, params, generator, depth)
 
     def _head_tree(self, context, params, generator, depth: int):
         from .speculative_tree import DraftTree, draw_children, tree_mask

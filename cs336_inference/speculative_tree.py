@@ -211,7 +211,10 @@ def verify_tree(
     out = run(cache, tree, want_h)
     logits, h = out if want_h else (out, None)
     path, token = accept_tree(tree, logits, params, generator)
-    keep_path(cache, start, path)
+    if path == list(range(len(path))):  # a prefix of the nodes (a chain, a root alone): already in place
+        cache.truncate(start + len(path))
+    else:
+        keep_path(cache, start, path)
     new = torch.cat([tree.tokens[path[1:]], token.to(tree.tokens.device)])
     return new, path, (None if h is None else h[path])
 
@@ -319,26 +322,6 @@ class ModelTreeDraft:
                          None if greedy else probs[keep])  # fmt: skip
 
 
-def add_path(tree: DraftTree, tokens: Sequence[int]) -> DraftTree:
-    """The tree with a chain of tokens hung from the root, sharing the nodes it already has (a trie
-    insert; new nodes go at the end). For greedy drafting only: the added nodes have no draft
-    distribution, so the result has probs None."""
-    toks, parents = tree.tokens.tolist(), tree.parents.tolist()
-    kids = children_of(tree.parents)
-    node = 0
-    for x in tokens:
-        same = [c for c in (kids[node] if node < len(kids) else []) if toks[c] == x]
-        if same:
-            node = same[0]
-            continue
-        toks.append(int(x))
-        parents.append(node)
-        kids.append([])
-        node = len(toks) - 1
-    device = tree.tokens.device
-    return DraftTree(torch.tensor(toks, device=device), torch.tensor(parents, device=device))
-
-
 # ------------------------------------------------------------------ choosing the depth
 class AdaptiveDepth:
     """Each round's tree depth d (0 .. the shape's depth; 0: no drafts, a plain decode step), chosen to
@@ -351,15 +334,17 @@ class AdaptiveDepth:
                      forgets; a depth not measured yet is extrapolated from the nearest measured one
         d            argmax E[d] / t[d]
 
-    Every `explore` rounds the depth one above the best is tried, so its figures stay current.
+    A depth above 0 is chosen only when its rate beats plain decoding's by `margin` (measured times
+    are noisy, and a draft that barely pays is not worth the risk). Every `explore` rounds the depth
+    one above the best is tried, so its figures stay current.
     """
 
-    def __init__(self, shape: TreeShape, explore: int = 8, decay: float = 0.95):
-        self.shape, self.explore, self.decay = shape, explore, decay
+    def __init__(self, shape: TreeShape, explore: int = 16, decay: float = 0.95, margin: float = 0.05):
+        self.shape, self.explore, self.decay, self.margin = shape, explore, decay, margin
         D = shape.depth
         self.nodes = [len(shape.cut(d)) for d in range(D + 1)]
-        self.reached = [0.0] + [2.0] * D  # a prior of one accept in two tries at every depth
-        self.accepted = [0.0] + [1.0] * D
+        self.reached = [0.0] + [2.0] * D  # a prior of 0.6 accepts in two tries at every depth
+        self.accepted = [0.0] + [0.6] * D
         self.seconds: list[float | None] = [None] * (D + 1)
         self.rounds = 0
 
@@ -391,6 +376,8 @@ class AdaptiveDepth:
         self.rounds += 1
         rate = [e / t for e, t in zip(self.expected_tokens(), self.round_seconds(), strict=True)]
         best = max(range(len(rate)), key=rate.__getitem__)
+        if rate[best] < (1.0 + self.margin) * rate[0]:
+            best = 0
         if self.rounds % self.explore == 0 and best < self.shape.depth:
             return best + 1
         return best
