@@ -279,7 +279,7 @@ class HeadDraft:
         return self._head_tree(context, params, generator, depth)
 
     def _head_tree(self, context, params, generator, depth: int):
-        from .speculative_tree import DraftTree, draw_children, tree_mask
+        from .speculative_tree import draw_children, tree_mask
 
         n, head, device = len(context), self.head, context.device
         shape = self.shape.cut(depth)
@@ -294,41 +294,33 @@ class HeadDraft:
         probs = None if greedy else torch.zeros(T, head.config.vocab_size, device=device)
         gs = {0: g}
         drawn = [True] + [False] * (T - 1)
+        ancestors = tree_mask(torch.tensor(shape.parents, device=device))
         fed_nodes: list[int] = []  # tree nodes in the head's cache, in order (after its n - 1 context steps)
         level = [0]
-        parents = torch.tensor(shape.parents, device=device)
         for _ in range(depth):
             new = []
             for i in level:
-                m = shape.children(i)
-                if m == 0 or not drawn[i]:
+                if not shape.kids[i] or not drawn[i]:
                     continue
                 p = self._distribution(gs[i], params)
-                picks = draw_children(p, m, greedy, generator)
+                picks = head.token_ids(draw_children(p, len(shape.kids[i]), greedy, generator))
                 if probs is not None:
                     probs[i, head.token_ids(torch.arange(len(p), device=device))] = p
-                for r, row in enumerate(picks.tolist()):
-                    child = shape.nodes.index(shape.nodes[i] + (r,))
-                    tokens[child] = head.token_ids(torch.tensor(row, device=device))
+                children = shape.kids[i][: len(picks)]
+                tokens[children] = picks
+                for child in children:
                     drawn[child] = True
-                    new.append(child)
-            if not new or all(shape.children(c) == 0 for c in new):
+                new += children
+            if not any(shape.kids[c] for c in new):
                 break
             # one head pass over the new nodes: their parents' g as features, ancestors visible
-            order = fed_nodes + new
-            anc = tree_mask(parents)[new][:, order]
-            feats = torch.stack([gs[int(shape.parents[c])] for c in new])[None]
+            feats = torch.stack([gs[shape.parents[c]] for c in new])[None]
             depth_of = torch.tensor([len(shape.nodes[c]) - 1 for c in new], device=device)
             start = self.cache.pos  # nodes go after the context steps and the nodes fed before
             out = head(tokens[new][None], feats, cache=self.cache, depth=depth_of + (n - 1 - start),
-                       tree=anc, tree_start=n - 1)[0]  # fmt: skip
-            for c, row in zip(new, out, strict=True):
-                gs[c] = row
+                       tree=ancestors[new][:, fed_nodes + new], tree_start=n - 1)[0]  # fmt: skip
+            gs.update(zip(new, out, strict=True))
             fed_nodes += new
             level = new
         self.cache.truncate(self.fed)
-        keep = [i for i in range(T) if drawn[i]]
-        remap = {old: new_i for new_i, old in enumerate(keep)}
-        kept_parents = [-1] + [remap[shape.parents[i]] for i in keep[1:]]
-        return DraftTree(tokens[keep], torch.tensor(kept_parents, device=device),
-                         None if probs is None else probs[keep])  # fmt: skip
+        return shape.drafted(tokens, drawn, probs)

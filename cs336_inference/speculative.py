@@ -468,14 +468,20 @@ def speculative_stream(
     return _rounds(target, drafter, ids, k, params, stats, steps)
 
 
+def round_generator(params: SamplingParams, device) -> torch.Generator | None:
+    """The generator a speculative loop draws from: seeded by params.seed, so that the draws can be
+    reproduced (seed 0 when greedy, which draws nothing that matters); None (the global RNG) when
+    sampling without a seed."""
+    if params.seed is None and params.temperature != 0.0:
+        return None
+    return torch.Generator(device=device).manual_seed(0 if params.seed is None else params.seed)
+
+
 @torch.inference_mode()
 def _rounds(target, drafter, ids, k, params: SamplingParams, stats, steps) -> Iterator[int]:
     P, device = len(ids), ids.device
     max_new_tokens, stops = int(params.max_new_tokens), set(params.stops(target.config))
-    # a seeded generator reproduces the draws; greedy draws nothing that matters, so keep the global RNG
-    generator = None
-    if params.seed is not None or params.temperature == 0.0:
-        generator = torch.Generator(device=device).manual_seed(0 if params.seed is None else params.seed)
+    generator = round_generator(params, device)
     capacity = P + max_new_tokens
     if steps is None:
         cache = target.new_cache(1, capacity, spare=k)

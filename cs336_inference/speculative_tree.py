@@ -36,7 +36,7 @@ from .attention import ForwardContext
 from .kv_cache import KVCache, StaticKVCache
 from .model import TransformerLM
 from .sampling import SamplingParams, sampling_params
-from .speculative import SpeculativeStats, _check_args, sampling_probs
+from .speculative import SpeculativeStats, _check_args, round_generator, sampling_probs
 
 
 @dataclass
@@ -197,19 +197,20 @@ def verify_tree(
     tree: DraftTree,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    features: bool = False,
 ) -> tuple[Int[Tensor, " n"], list[int], Tensor | None]:
     """One round's target pass over a tree: returns (the n tokens it emits: the accepted drafts and
-    one more, the accepted path, the path's features or None).
+    one more, the accepted path, the path's features [n, D] if `features`, else None).
 
     `cache` holds every context token but the root. `target` is a TransformerLM (`tree_forward`) or
     anything with a `tree(cache, tree, return_hidden)` method (the fast path's fixed-shape steps).
-    Features are returned when target has `wants_features` set by the caller (a draft head reads them).
     """
     start = cache.pos
-    want_h = getattr(target, "wants_features", False)
-    run = target.tree if hasattr(target, "tree") else lambda c, t, r: tree_forward(target, c, t, r)
-    out = run(cache, tree, want_h)
-    logits, h = out if want_h else (out, None)
+    if hasattr(target, "tree"):
+        out = target.tree(cache, tree, features)
+    else:
+        out = tree_forward(target, cache, tree, features)
+    logits, h = out if features else (out, None)
     path, token = accept_tree(tree, logits, params, generator)
     if path == list(range(len(path))):  # a prefix of the nodes (a chain, a root alone): already in place
         cache.truncate(start + len(path))
@@ -235,6 +236,7 @@ class TreeShape:
         self.nodes = [(), *nodes]
         index = {c: i for i, c in enumerate(self.nodes)}
         self.parents = [-1] + [index[c[:-1]] for c in nodes]
+        self.kids = children_of(torch.tensor(self.parents))  # kids[i][r]: node i's child of rank r
         self.depth = max((len(c) for c in self.nodes), default=0)
 
     @classmethod
@@ -247,7 +249,16 @@ class TreeShape:
         return TreeShape([c for c in self.nodes if len(c) <= depth])
 
     def children(self, node: int) -> int:
-        return sum(1 for p in self.parents if p == node)
+        return len(self.kids[node])
+
+    def drafted(self, tokens: Tensor, drawn: list[bool], probs: Tensor | None) -> DraftTree:
+        """The DraftTree of this shape's nodes that were drawn (sampling may draw fewer children than
+        the shape has: p has fewer non-zero entries), numbered again in order."""
+        keep = [i for i, d in enumerate(drawn) if d]  # parents come first, so ancestors are kept
+        remap = {old: new for new, old in enumerate(keep)}
+        parents = [-1] + [remap[self.parents[i]] for i in keep[1:]]
+        return DraftTree(tokens[keep], torch.tensor(parents, device=tokens.device),
+                         None if probs is None else probs[keep])  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -256,8 +267,8 @@ class TreeShape:
         return f"TreeShape({self.nodes[1:]})"
 
 
-# the default tree on a CPU, where each node adds about a tenth of a decode step to the verify pass:
-# three candidates for the next token, two for the one after the best, and the best path to depth 5
+# the default tree: three candidates for the next token, two for the one after the best, and the best
+# path to depth 5 (small: on a CPU every node adds to the verify pass, docs/speculative.md)
 DEFAULT_TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)]
 
 
@@ -295,31 +306,24 @@ class ModelTreeDraft:
                      budget: int | None = None) -> DraftTree:  # fmt: skip
         shape = self.shape if budget is None or budget >= self.shape.depth else self.shape.cut(budget)
         greedy, V, device = params.temperature == 0.0, self.model.config.vocab_size, context.device
-        tokens = [int(context[-1])] + [0] * (len(shape) - 1)
+        tokens = torch.zeros(len(shape), dtype=torch.long, device=device)
+        tokens[0] = context[-1]
         probs = torch.zeros(len(shape), V, device=device)
-        drawn = [True] + [False] * (len(shape) - 1)  # a node sampled with fewer children than asked
-        for i, c in enumerate(shape.nodes):
-            m = shape.children(i)
-            if m == 0 or not drawn[i]:
+        drawn = [True] + [False] * (len(shape) - 1)
+        for i, path in enumerate(shape.nodes):  # path: ranks from the root; node i's ancestors first
+            if not shape.kids[i] or not drawn[i]:
                 continue
-            path = [tokens[shape.nodes.index(c[:d])] for d in range(1, len(c) + 1)]
-            seq = torch.cat([context, torch.tensor(path, dtype=torch.long, device=device)])
-            logits = self.model(seq[None])[0, -1]
-            p = (
-                logits.float().softmax(-1)
-                if greedy
-                else sampling_probs(logits, params.temperature, params.top_k, params.top_p)
-            )
+            ancestors = [shape.nodes.index(path[:d]) for d in range(1, len(path) + 1)]
+            logits = self.model(torch.cat([context, tokens[ancestors]])[None])[0, -1]
+            if greedy:
+                p = logits.float().softmax(-1)
+            else:
+                p = sampling_probs(logits, params.temperature, params.top_k, params.top_p)
             probs[i] = p
-            picks = draw_children(p, m, greedy, generator).tolist()
-            for r, x in enumerate(picks):
-                child = shape.nodes.index(c + (r,))
+            picks = draw_children(p, len(shape.kids[i]), greedy, generator)
+            for child, x in zip(shape.kids[i], picks.tolist(), strict=False):
                 tokens[child], drawn[child] = x, True
-        keep = [i for i in range(len(shape)) if drawn[i]]  # parents come first, so ancestors are kept
-        remap = {old: new for new, old in enumerate(keep)}
-        parents = [-1] + [remap[shape.parents[i]] for i in keep[1:]]
-        return DraftTree(torch.tensor([tokens[i] for i in keep], device=device), torch.tensor(parents, device=device),
-                         None if greedy else probs[keep])  # fmt: skip
+        return shape.drafted(tokens, drawn, None if greedy else probs)
 
 
 # ------------------------------------------------------------------ choosing the depth
@@ -426,12 +430,9 @@ def tree_stream(
 def _tree_rounds(target, draft, ids, params: SamplingParams, stats, steps) -> Iterator[int]:
     P, device = len(ids), ids.device
     max_new_tokens, stops = int(params.max_new_tokens), set(params.stops(target.config))
-    generator = None
-    if params.seed is not None or params.temperature == 0.0:
-        generator = torch.Generator(device=device).manual_seed(0 if params.seed is None else params.seed)
+    generator = round_generator(params, device)
     capacity = P + max_new_tokens
     spare = draft.max_nodes
-    model = target
     if steps is None:
         cache = target.new_cache(1, min(capacity + spare, target.config.max_seq_len))
         runner = target
@@ -439,18 +440,14 @@ def _tree_rounds(target, draft, ids, params: SamplingParams, stats, steps) -> It
         runner, cache = steps.tree_target(target, capacity + spare)
     check_tree_cache(cache)
     features = getattr(draft, "reads_features", False)
-    if features and not hasattr(runner, "tree"):
-        runner = _FeatureTarget(target)
-    elif hasattr(runner, "tree"):
-        runner.wants_features = features
     draft.reset(capacity, spare)
     stats.caches["target"] = cache
     if P > 1:
         if features:
-            _, h = model(ids[None, :-1], cache=cache, return_hidden=True)
+            _, h = target(ids[None, :-1], cache=cache, return_hidden=True)
             draft.observe(h[0])
         else:
-            model(ids[None, :-1], cache=cache, last_only=True)
+            target(ids[None, :-1], cache=cache, last_only=True)
     context = torch.empty(capacity, dtype=torch.long, device=device)
     context[:P] = ids
     n = P
@@ -459,7 +456,7 @@ def _tree_rounds(target, draft, ids, params: SamplingParams, stats, steps) -> It
         began = time.perf_counter()
         tree = draft.propose_tree(context[:n], params, generator, budget)
         drafted_s = time.perf_counter() - began
-        new, path, h = verify_tree(runner, cache, tree, params, generator)
+        new, path, h = verify_tree(runner, cache, tree, params, generator, features)
         verify_s = time.perf_counter() - began - drafted_s
         stats.draft_seconds += drafted_s
         stats.verify_seconds += verify_s
@@ -473,18 +470,6 @@ def _tree_rounds(target, draft, ids, params: SamplingParams, stats, steps) -> It
         n += len(new)
         if (yield from stats.emit(new, stops)):
             return
-
-
-class _FeatureTarget:
-    """The readable target's tree pass, returning features too (for a draft that reads them)."""
-
-    wants_features = True
-
-    def __init__(self, model: TransformerLM):
-        self.model = model
-
-    def tree(self, cache, tree, return_hidden):
-        return tree_forward(self.model, cache, tree, return_hidden)
 
 
 def tree_generate(

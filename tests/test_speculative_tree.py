@@ -505,3 +505,25 @@ def test_answer_masks_count_only_answer_predictions():
     # window (2, 5): inputs are positions 3..6; label y_j counts when x_{j+1} is an answer token
     assert x[0].tolist() == [8, 3, 4, 5] and y[0].tolist() == [103, 104, 105, -1]
     assert x[1].tolist() == [7, 8, 6, 0] and y[1].tolist() == [-1, 112, -1, -1]
+
+
+def test_benchmark_rows_of_tree_drafts():
+    """benchmark.py speculative's library with tree drafts: a draft made per k (a chain of k) and one
+    with its own shape (one row, k = its depth); per-round draft and verify costs come from the run."""
+    from cs336_inference.bench import speculative as spec_bench
+    from tests.test_speculative import repetitive_prompt
+
+    target = tiny_model("gqa")
+    head = DraftHead(target.config).attach(target).eval()
+    drafts = {
+        "chain": spec_bench.TreeDraft(lambda k: HeadDraft(head, k), per_k=True),
+        "tree": spec_bench.TreeDraft(lambda k: ModelTreeDraft(perturbed(target, 0.3), SMALL_TREE)),
+    }
+    result = spec_bench.speculative_benchmark(
+        target, drafts, {"repeat": [repetitive_prompt(20, 1)]}, [1, 3], 12, [], runs=1, log=lambda m: None
+    )
+    rows = result["rows"]
+    assert [(r["draft"], r["k"]) for r in rows] == [("chain", 1), ("chain", 3), ("tree", 3)]
+    for r in rows:
+        assert r["identical"] and r["draft_cost_per"] == "round" and r["verify_cost"] > 0, r
+    assert "per round" in spec_bench.format_speculative_table(rows)

@@ -24,6 +24,7 @@ model draft runs its steps the same way.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -223,19 +224,15 @@ def speculative_benchmark(
                 drafter = draft.make(k) if tree else draft
                 if tree:
                     k = drafter.max_depth
+                # a chain draft takes k; a tree draft has its own shape
+                run = tree_generate if tree else functools.partial(speculative_generate, k=k)
                 for ids, ref in zip(prompts, base_tokens, strict=True):
-                    run = (
-                        speculative_generate
-                        if not tree
-                        else lambda t, d, i, n, k, **kw: tree_generate(t, d, i, n, **kw)
-                    )
                     (out, stats), seconds = _timed(
-                        lambda ids=ids, k=k, run=run, drafter=drafter: run(
+                        lambda ids=ids, run=run, drafter=drafter: run(
                             target,
                             drafter,
                             ids,
                             max_new_tokens,
-                            k=k,
                             stop_token_ids=stop_token_ids,
                             return_stats=True,
                             steps=None if step_mode is None else FixedSteps(step_mode),
