@@ -190,7 +190,50 @@ static inline void phase(int k, double *t) {
    order (so the numbers of a static cache holding those steps). The query heads that share a K/V
    head are done together, up to GROUP at once: each key and value row is read once for all of them
    (decode attention reads the cache, memory-bound like the products). */
-enum { GROUP = 8 };
+enum { GROUP = 8, AHEAD = 8 };
+/* one task of attend_paged: the `heads` query heads at q (of K/V head g's group) against row m's
+   keys lo..qs; inlined with H a constant for the common head sizes. The next keys' and values' rows
+   are prefetched AHEAD slots on (a sequence's slots jump at each block boundary). */
+static inline __attribute__((always_inline)) void attend_group(const float *q, const float *k, const float *v,
+                                                               const i64 *slot, i64 lo, i64 qs, i64 heads,
+                                                               i64 stride, i64 S, float scale, float *p,
+                                                               float *acc, float *out, i64 H) {
+    float mx[GROUP], sum[GROUP];
+    for (i64 e = 0; e < heads; e++) mx[e] = -INFINITY;
+    for (i64 j = lo; j <= qs; j++) {
+        if (j + AHEAD <= qs) {
+            const float *kn = k + slot[j + AHEAD] * stride;
+            for (i64 c = 0; c < H; c += 16) __builtin_prefetch(kn + c);
+        }
+        const float *kj = k + slot[j] * stride;
+        for (i64 e = 0; e < heads; e++) {
+            float x = dot(q + e * H, kj, H) * scale;
+            p[e * S + j] = x;
+            if (x > mx[e]) mx[e] = x;
+        }
+    }
+    for (i64 e = 0; e < heads; e++) {
+        float *pe = p + e * S;
+        for (i64 j = lo; j <= qs; j++) pe[j] -= mx[e];
+        cs336_exp(pe + lo, qs - lo + 1);
+        sum[e] = 0.f;
+        for (i64 j = lo; j <= qs; j++) sum[e] += pe[j];
+    }
+    for (i64 i = 0; i < heads * H; i++) acc[i] = 0.f;
+    for (i64 j = lo; j <= qs; j++) {
+        if (j + AHEAD <= qs) {
+            const float *vn = v + slot[j + AHEAD] * stride;
+            for (i64 c = 0; c < H; c += 16) __builtin_prefetch(vn + c);
+        }
+        const float *vj = v + slot[j] * stride;
+        for (i64 e = 0; e < heads; e++) {
+            float w = p[e * S + j] / sum[e], *ae = acc + e * H;
+            for (i64 h = 0; h < H; h++) ae[h] += w * vj[h];
+        }
+    }
+    memcpy(out, acc, sizeof(float) * (size_t)(heads * H));
+}
+
 static void attend_paged(i64 M, i64 N, i64 K, i64 H, const float *qkv, const float *kc, const float *vc,
                          i64 window, const i64 *pos, const i64 *keys, const i64 *first, float scale, int threads,
                          float *out) {
@@ -207,32 +250,13 @@ static void attend_paged(i64 M, i64 N, i64 K, i64 H, const float *qkv, const flo
             i64 lo = window > 0 && qs - window + 1 > 0 ? qs - window + 1 : 0, stride = K * H;
             const i64 *slot = keys + first[m];
             const float *q = qkv + m * QKV + n0 * H, *k = kc + g * H, *v = vc + g * H;
-            float mx[GROUP], sum[GROUP];
-            for (i64 e = 0; e < heads; e++) mx[e] = -INFINITY;
-            for (i64 j = lo; j <= qs; j++) {
-                const float *kj = k + slot[j] * stride;
-                for (i64 e = 0; e < heads; e++) {
-                    float x = dot(q + e * H, kj, H) * scale;
-                    p[e * S + j] = x;
-                    if (x > mx[e]) mx[e] = x;
-                }
-            }
-            for (i64 e = 0; e < heads; e++) {
-                float *pe = p + e * S;
-                for (i64 j = lo; j <= qs; j++) pe[j] -= mx[e];
-                cs336_exp(pe + lo, qs - lo + 1);
-                sum[e] = 0.f;
-                for (i64 j = lo; j <= qs; j++) sum[e] += pe[j];
-            }
-            for (i64 i = 0; i < heads * H; i++) acc[i] = 0.f;
-            for (i64 j = lo; j <= qs; j++) {
-                const float *vj = v + slot[j] * stride;
-                for (i64 e = 0; e < heads; e++) {
-                    float w = p[e * S + j] / sum[e], *ae = acc + e * H;
-                    for (i64 h = 0; h < H; h++) ae[h] += w * vj[h];
-                }
-            }
-            for (i64 e = 0; e < heads; e++) memcpy(out + m * N * H + (n0 + e) * H, acc + e * H, sizeof(float) * (size_t)H);
+            float *o = out + m * N * H + n0 * H; /* the group's heads are adjacent in out's row */
+            if (H == 64)
+                attend_group(q, k, v, slot, lo, qs, heads, stride, S, scale, p, acc, o, 64);
+            else if (H == 128)
+                attend_group(q, k, v, slot, lo, qs, heads, stride, S, scale, p, acc, o, 128);
+            else
+                attend_group(q, k, v, slot, lo, qs, heads, stride, S, scale, p, acc, o, H);
         }
         free(p), free(acc);
     }
