@@ -419,8 +419,17 @@ def run_engine(args: argparse.Namespace) -> dict:
     from cs336_inference.quantization import quantize_model
 
     sizes, eager = numbers(args.sizes, "--sizes"), numbers(args.eager_sizes, "--eager-sizes")
-    if not sizes or min(sizes + eager) < 1 or args.steps < 1 or args.rounds < 1 or args.prompt_len < 1:
-        raise BenchmarkError("--sizes, --eager-sizes, --steps, --rounds and --prompt-len must be >= 1")
+    sampled = numbers(args.sampled_sizes, "--sampled-sizes")
+    if (
+        not sizes
+        or min(sizes + eager + sampled) < 1
+        or args.steps < 1
+        or args.rounds < 1
+        or args.prompt_len < 1
+    ):
+        raise BenchmarkError(
+            "--sizes, --eager-sizes, --sampled-sizes, --steps, --rounds and --prompt-len must be >= 1"
+        )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     source = Path(args.model) if args.model else default_model_path()
@@ -429,7 +438,7 @@ def run_engine(args: argparse.Namespace) -> dict:
     if args.format != "fp32":
         model = quantize_model(model, args.format, quantize_head=True)
     result = bench_engine.engine_benchmark(
-        model, sizes, args.prompt_len, args.steps, args.rounds, eager, log=log
+        model, sizes, args.prompt_len, args.steps, args.rounds, eager, sampled, log=log
     )
     result.update(model=source.name, format=args.format)
     result["table"] = bench_engine.format_engine_table(result)
@@ -659,6 +668,9 @@ def main(argv: list[str] | None = None) -> int:
     eng.add_argument("--sizes", default="1,4,8,16", help="numbers of requests decoding at once")
     eng.add_argument(
         "--eager-sizes", default="1,16", help="sizes also run on the readable model ('' for none)"
+    )
+    eng.add_argument(
+        "--sampled-sizes", default="", help="sizes also run sampled (T 0.8, top-p 0.95), unseeded and seeded"
     )
     eng.add_argument("--prompt-len", type=int, default=64, help="prompt tokens of every request")
     eng.add_argument("--steps", type=int, default=24, help="timed decode steps per row")

@@ -10,7 +10,8 @@ the bytes. Measured here side by side, one process, one model:
                 one sequence over a static cache), decode steps only
     engine n    LLMEngine with n requests of the same prompt length, all decoding (steady state:
                 prefill done, nobody finishing), on the fast path (`fast.install`) and on the
-                readable model (`--eager` rows)
+                readable model (`--eager` rows); greedy, and for `sampled_sizes` also sampled
+                (temperature 0.8, top-p 0.95) without and with a seed
 
 Each row is the median of its timed steps after warm-up steps, rounds interleaved across the rows so
 that a machine's drift is shared. The roofline of a step is the bytes it must read (the weights
@@ -48,14 +49,20 @@ def synthetic_prompt(vocab_size: int, n: int, index: int = 0) -> list[int]:
     return [(100 + 7919 * (index * n + t)) % (vocab_size - 100) + 100 for t in range(n)]
 
 
+SAMPLED = dict(temperature=0.8, top_p=0.95)  # the sampled rows' parameters (`sampled_sizes`)
+
+
 class EngineSteps:
     """An engine holding n requests that all decode: `step()` times one engine step (seconds)."""
 
-    def __init__(self, model, n: int, prompt_len: int, steps: int, block_size: int = 16):
+    def __init__(
+        self, model, n: int, prompt_len: int, steps: int, block_size: int = 16, sampling: dict | None = None
+    ):
         S = prompt_len + steps + 8
         blocks = n * -(-S // block_size) + 1
         self.engine = LLMEngine(model, num_blocks=blocks, block_size=block_size, max_batch_tokens=max(512, n), max_batch_seqs=n)  # fmt: skip
-        params = SamplingParams(max_new_tokens=steps + 4, temperature=0.0, stop_token_ids=())
+        sampling = sampling or dict(temperature=0.0)
+        params = SamplingParams(max_new_tokens=steps + 4, stop_token_ids=(), **sampling)
         for i in range(n):
             self.engine.add_request(synthetic_prompt(model.config.vocab_size, prompt_len, i), params)
         while any(s.num_computed < s.num_prompt for s in self.engine.requests.values()):
@@ -101,12 +108,15 @@ def engine_benchmark(
     steps: int = 24,
     rounds: int = 3,
     eager_sizes: list[int] | None = None,
+    sampled_sizes: list[int] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Median step time and tokens/s of the stream and of the engine at each size (module docstring).
 
     `steps` timed steps per row, split over `rounds` interleaved rounds (after 3 warm-up steps each).
     `eager_sizes`: engine sizes also run on the readable model (the fast path uninstalled meanwhile).
+    `sampled_sizes`: engine sizes also run with SAMPLED parameters instead of greedy: unseeded (drawn
+    in one batch, serving/sampler.py) and seeded (drawn row by row, as `generate` draws).
     """
     install(model)
     weights = stored_bytes(model)
@@ -117,6 +127,10 @@ def engine_benchmark(
     for n in sizes:
         log(f"  prefilling {n} request(s) of {prompt_len} tokens")
         rows[f"engine {n}"] = EngineSteps(model, n, prompt_len, total)
+    for n in sampled_sizes or []:
+        log(f"  prefilling {n} sampled request(s), unseeded and seeded")
+        rows[f"sampled engine {n}"] = EngineSteps(model, n, prompt_len, total, sampling=SAMPLED)
+        rows[f"seeded engine {n}"] = EngineSteps(model, n, prompt_len, total, sampling=dict(SAMPLED, seed=0))
     times: dict[str, list[float]] = {name: [] for name in rows}
     contexts: dict[str, list[float]] = {name: [] for name in rows}
     per_round = -(-steps // rounds)

@@ -63,6 +63,7 @@ from ..sampling import (
 from .block_manager import BlockManager
 from .paged_attention import PagedBatch, PagedKVCache
 from .request import Request, RequestOutput
+from .sampler import sample_rows
 from .scheduler import Scheduler
 
 
@@ -324,8 +325,9 @@ class LLMEngine:
     def _sample(
         self, logits: Tensor, picks: list[tuple[Request, int]]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Next token of each sequence from its row of logits: greedy rows in one argmax, sampled rows
-        one by one with their own parameters and generator (so a seed draws as in `generate`); and,
+        """Next token of each sequence from its row of logits: greedy rows in one argmax, unseeded
+        sampled rows in one batched draw (`sampler.sample_rows`), seeded rows one by one with their own
+        generator (so a seed draws as in `generate`); and,
         where params.logprobs is set, the token's log-probability (`sampled_logprobs`)."""
         constraints = [seq.constraint for seq, _ in picks]
         constrained = any(c is not None for c in constraints)
@@ -337,6 +339,15 @@ class LLMEngine:
         if greedy:
             picked = logits[[where[j] for j in greedy]].argmax(dim=-1).tolist()
             for j, token in zip(greedy, picked, strict=True):
+                tokens[j] = token
+        batched = [j for j, (seq, _) in enumerate(picks) if tokens[j] is None and seq.generator is None]
+        if batched:  # unseeded rows: one batched draw (serving/sampler.py)
+            ps = [picks[j][0].params for j in batched]
+            drawn = sample_rows(
+                logits[[where[j] for j in batched]],
+                [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
+            )  # fmt: skip
+            for j, token in zip(batched, drawn.tolist(), strict=True):
                 tokens[j] = token
         logprobs: list[TokenLogprobs | None] = [None] * len(picks)
         for j, (seq, _) in enumerate(picks):
