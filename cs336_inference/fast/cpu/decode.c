@@ -588,17 +588,19 @@ static float *deinterleave_x(const float *x, i64 M, i64 I, i64 ldx) {
    groups (17 rows as 6 + 6 + 5: a group of one row runs at a fraction of the fma rate; 0.91-0.96x the
    time at 17 rows and 0.82-0.90x at 12, fp32, AMD EPYC). int4 with groups that are not whole
    vectors is dequantized once into an L1 buffer instead, which then serves as an fp32 tile.
-   With several groups whose x rows together outgrow L1 while one group's fit (OUTER_X_BYTES), and a
-   weight small enough to stay in the last-level cache (OUTER_W_BYTES), the groups run one after
-   another over all the tiles instead of all the groups per tile: the second pass reads the weights
-   from the cache, and each group's x stays in L1. Against the same kernels without it
-   (`benchmark.py kernels --base REV --formats fp32 --rows 16,32`), all 121 fp32 products of a SmolLM2
-   step took 0.89x the time at 32 rows and 1.04x (no change beyond noise) at 16, with the same bits
-   (AMD EPYC Zen 5, 2 threads, 9 alternating rounds, 2026-11-25). Not for down (1536 inputs: one
-   group's x does not fit L1) nor the output matrix (too big for the cache). A pair's operations are
-   the same either way. */
+   With several groups whose x rows together outgrow L1 while one group's fit (OUTER_X_BYTES), each
+   thread takes its share of the tiles (as schedule(static) would) in chunks of OUTER_CHUNK_BYTES of
+   weights, and runs the groups one after another over a chunk: the first group reads the chunk from
+   memory, the others from L2, and each group's x stays in L1. Against one pass per group over the
+   whole weight (weights up to 16 MB, read again from L3) and all groups per tile otherwise
+   (`benchmark.py kernels --base REV --formats fp32,q4_1,int8 --rows 1,8,16,32 --rounds 7`), all 121
+   products of a SmolLM2 step took 0.92x the time at 16 rows and 0.85x at 32 in fp32, 0.91x and 0.88x
+   in q4_1, 0.96x and 0.80x in int8, with the same bits (AMD EPYC Zen 5, 2 threads, 2026-11-26);
+   128 and 512 KB chunks did no better than 256 in a 16-request engine step. Not for down (1536
+   inputs: one group's x does not fit L1; smaller groups that fit were slower). A pair's operations
+   are the same either way. */
 enum { OUTER_X_BYTES = 32 << 10 };
-#define OUTER_W_BYTES ((i64)16 << 20)
+#define OUTER_CHUNK_BYTES ((i64)256 << 10)
 static void rowmajor_mm(const Weight *W, const float *x, i64 M, i64 I, i64 ldx, i64 O, const float *bias,
                         float *y, int threads) {
 #if VL == 16 /* 32 vector registers: 4 weight rows against up to 6 x rows (24 accumulators) */
@@ -614,24 +616,29 @@ static void rowmajor_mm(const Weight *W, const float *x, i64 M, i64 I, i64 ldx, 
     int fused = fused_ok(W, I);
     float *xp = int4_x_order(W, I) ? deinterleave_x(x, M, I, ldx) : NULL;
     if (xp) x = xp, ldx = I;
-    if (groups > 1 && fused && RG * I * 4 <= OUTER_X_BYTES && O * W->row_bytes <= OUTER_W_BYTES) {
-        /* the row groups one after another, each over all the tiles (module comment above) */
+    if (groups > 1 && fused && RG * I * 4 <= OUTER_X_BYTES) {
+        /* the row groups one after another over a chunk of tiles, chunk after chunk (comment above) */
+        const i64 chunk = OUTER_CHUNK_BYTES / (TW * W->row_bytes) > 0 ? OUTER_CHUNK_BYTES / (TW * W->row_bytes) : 1;
 #pragma omp parallel num_threads(threads)
         {
             float s[MAX_M][4];
-            for (i64 m = 0; m < M; m += RG) {
-                int R = M - m < RG ? (int)(M - m) : RG;
-#pragma omp for schedule(static)
-                for (i64 t = 0; t < tiles; t++) {
-                    i64 o = TW * t, oj[4];
-                    int J = O - o < TW ? (int)(O - o) : TW;
-                    for (int j = 0; j < 4; j++) oj[j] = o + (j < J ? j : 0); /* as below */
-                    tile_any(W, oj, x + m * ldx, ldx, TW, R, I, s);
-                    for (int j = 0; j < J; j++) {
-                        float scale = W->fmt == FMT_INT8 ? W->scale_f32[o + j] : 1.f, b = bias ? bias[o + j] : 0.f;
-                        for (int r = 0; r < R; r++) {
-                            float v = W->fmt == FMT_INT8 ? s[r][j] * scale : s[r][j];
-                            y[(m + r) * O + o + j] = bias ? v + b : v;
+            int t = omp_get_thread_num(), n = omp_get_num_threads();
+            i64 lo = tiles * t / n, hi = tiles * (t + 1) / n; /* each thread's tiles, as schedule(static) */
+            for (i64 c0 = lo; c0 < hi; c0 += chunk) {
+                i64 c1 = c0 + chunk < hi ? c0 + chunk : hi;
+                for (i64 m = 0; m < M; m += RG) {
+                    int R = M - m < RG ? (int)(M - m) : RG;
+                    for (i64 tt = c0; tt < c1; tt++) {
+                        i64 o = TW * tt, oj[4];
+                        int J = O - o < TW ? (int)(O - o) : TW;
+                        for (int j = 0; j < 4; j++) oj[j] = o + (j < J ? j : 0); /* as below */
+                        tile_any(W, oj, x + m * ldx, ldx, TW, R, I, s);
+                        for (int j = 0; j < J; j++) {
+                            float scale = W->fmt == FMT_INT8 ? W->scale_f32[o + j] : 1.f, b = bias ? bias[o + j] : 0.f;
+                            for (int r = 0; r < R; r++) {
+                                float v = W->fmt == FMT_INT8 ? s[r][j] * scale : s[r][j];
+                                y[(m + r) * O + o + j] = bias ? v + b : v;
+                            }
                         }
                     }
                 }
