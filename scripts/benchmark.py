@@ -46,9 +46,10 @@ formula; and the accounting's predicted step for Llama-2 13B / 70B on H100s over
 
     python scripts/benchmark.py tp --markdown docs/measured/tp.md
 
-`http`: scripts/serve.py (continuous and static batching) and llama.cpp's server (llama-cpp-python,
-if installed) on the same GGUF, driven over HTTP by the `openai` client from another process at
-Poisson arrival rates: throughput, TTFT, TPOT, latency percentiles, a plot (cs336_inference/bench/http.py).
+`http`: scripts/serve.py (continuous and static batching) and llama.cpp's servers (llama-cpp-python's,
+if installed; the C++ llama-server with --llama-server PATH) on the same GGUF, driven over HTTP by
+the `openai` client from another process at Poisson arrival rates: throughput, TTFT, TPOT, latency
+percentiles, a plot (cs336_inference/bench/http.py).
 
     python scripts/benchmark.py http --rates 0.5,1,2 --requests 32 --out http.json --plot http.png
 
@@ -500,9 +501,17 @@ def run_http(args: argparse.Namespace) -> dict:
 
     rates = numbers(args.rates, "--rates", float)
     systems = args.systems.split(",")
-    unknown = set(systems) - {"continuous", "static", "llama.cpp"}
+    unknown = set(systems) - {"continuous", "static", "llama.cpp", "llama-server"}
     if unknown:
-        raise BenchmarkError(f"unknown --systems {sorted(unknown)}; known: continuous, static, llama.cpp")
+        raise BenchmarkError(
+            f"unknown --systems {sorted(unknown)}; known: continuous, static, llama.cpp, llama-server"
+        )
+    if args.llama_server and "llama-server" not in systems:
+        systems.append("llama-server")
+    if "llama-server" in systems and not (args.llama_server and os.access(args.llama_server, os.X_OK)):
+        raise BenchmarkError(
+            f"llama-server needs --llama-server PATH to its binary (got {args.llama_server!r})"
+        )
     if "llama.cpp" in systems and importlib.util.find_spec("llama_cpp") is None:
         log("llama-cpp-python is not installed (pip install 'llama-cpp-python[server]'): llama.cpp left out")
         systems.remove("llama.cpp")
@@ -516,8 +525,9 @@ def run_http(args: argparse.Namespace) -> dict:
         max_output=args.max_output, system_prompt_len=args.system_prompt, shared_fraction=args.shared_fraction,
     )  # fmt: skip
     options = dict(
-        quantize=None if args.quantize == "none" else args.quantize, max_batch_seqs=args.max_batch_seqs
-    )
+        quantize=None if args.quantize == "none" else args.quantize, max_batch_seqs=args.max_batch_seqs,
+        llama_server=args.llama_server,
+    )  # fmt: skip
     result = http.http_benchmark(
         source, tokenizer, systems, rates, args.requests, args.seed, shape, threads, options,
         sorted(tokenizer.eos_token_ids), log=log,
@@ -697,7 +707,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     gra.add_argument("--seed", type=int, default=0)
     gra.add_argument("--out", type=Path, help="write the results as JSON here")
-    web = sub.add_parser("http", help="servers over HTTP from a client process: ours, static, llama.cpp")
+    web = sub.add_parser(
+        "http",
+        help="servers over HTTP from a client process: ours, static, llama.cpp (Python and C++ servers)",
+    )
     web.add_argument("--model", help="GGUF or checkpoint (default: the SmolLM2-135M-Instruct GGUF)")
     web.add_argument(
         "--systems", default="continuous,static,llama.cpp", help="servers to run (comma-separated)"
@@ -713,6 +726,10 @@ def main(argv: list[str] | None = None) -> int:
     web.add_argument("--shared-fraction", type=float, default=0.3, help="share of requests behind it")
     web.add_argument("--quantize", default="q4_1", help="our servers' weight format ('none': as loaded)")
     web.add_argument("--max-batch-seqs", type=int, default=16, help="our servers' sequences per step")
+    web.add_argument(
+        "--llama-server",
+        help="llama.cpp's llama-server binary: adds it, with --max-batch-seqs parallel slots",
+    )
     web.add_argument("--threads", type=int, help="threads of every server (default: the cores)")
     web.add_argument("--out", type=Path, help="write the results as JSON here")
     web.add_argument("--plot", type=Path, help="write the latency / throughput plot (PNG) here")

@@ -23,16 +23,17 @@ def tiny_model() -> TransformerLM:
 
 
 def test_the_engine_table_has_every_row_and_its_roofline():
-    result = bench_engine.engine_benchmark(tiny_model(), [1, 3], prompt_len=9, steps=4, rounds=2, eager_sizes=[2], log=lambda m: None)  # fmt: skip
+    result = bench_engine.engine_benchmark(tiny_model(), [1, 3], prompt_len=9, steps=4, rounds=2, eager_sizes=[2], sampled_sizes=[2], log=lambda m: None)  # fmt: skip
     names = [r["name"] for r in result["rows"]]
-    assert names == ["stream", "engine 1", "engine 3", "readable engine 2"], names
+    want = ["stream", "engine 1", "engine 3", "sampled engine 2", "seeded engine 2", "readable engine 2"]
+    assert names == want, names
     for r in result["rows"]:
         assert r["tokens_per_s"] > 0 and r["step_ms"] > 0, r
         assert r["tokens_per_s"] == pytest.approx(r["sequences"] / r["step_ms"] * 1e3)
     engine3 = result["rows"][2]
     assert engine3["bytes_per_step"] > result["rows"][1]["bytes_per_step"] > result["weight_bytes"]
     table = bench_engine.format_engine_table(result).splitlines()
-    assert len(table) == 2 + 4 and all(line.count("|") == table[0].count("|") for line in table), table
+    assert len(table) == 2 + 6 and all(line.count("|") == table[0].count("|") for line in table), table
 
 
 def test_stored_bytes_counts_quantized_buffers_once():
@@ -118,3 +119,18 @@ def test_two_servers_over_http_answer_every_request_in_full():
     for r in result["runs"]:
         assert r["failed"] == 0 and r["short"] == 0, r
         assert r["output_tokens"] == sum(x["max_tokens"] for x in http.text_workload(tok, 5, 8.0, 0, shape))
+
+
+def test_llama_server_runs_with_parallel_slots_over_one_kv_cache():
+    options = dict(llama_server="/opt/llama-server", max_batch_seqs=16)
+    cmd = http.server_command("llama-server", "m.gguf", 8123, 2, options)
+    assert cmd[0] == "/opt/llama-server"
+    flags = dict(zip(cmd[1:-2:2], cmd[2:-2:2], strict=True))  # the last two take no value
+    assert (
+        flags["--parallel"] == "16" and flags["--ctx-size"] == str(16 * 2048) and flags["--threads"] == "2"
+    ), cmd
+    assert (
+        cmd[-2:] == ["--kv-unified", "--no-webui"]
+        and flags["--model"] == "m.gguf"
+        and flags["--port"] == "8123"
+    ), cmd

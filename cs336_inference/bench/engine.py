@@ -14,7 +14,9 @@ the bytes. Measured here side by side, one process, one model:
                 (temperature 0.8, top-p 0.95) without and with a seed
 
 Each row is the median of its timed steps after warm-up steps, rounds interleaved across the rows so
-that a machine's drift is shared. The roofline of a step is the bytes it must read (the weights
+that a machine's drift is shared; the ratio to one engine request is also given per round (its
+range in brackets), since a memory bandwidth that drifts moves one request's step far more than a
+compute-bound 16-request step. The roofline of a step is the bytes it must read (the weights
 plus the n sequences' K/V at their mean length, `accounting.decode_step_bytes`) over the measured
 read bandwidth of a buffer the size of the weights.
 """
@@ -134,6 +136,7 @@ def engine_benchmark(
     times: dict[str, list[float]] = {name: [] for name in rows}
     contexts: dict[str, list[float]] = {name: [] for name in rows}
     per_round = -(-steps // rounds)
+    steps_by_round: dict[str, list[list[float]]] = {name: [] for name in rows}
     for r in range(rounds):
         for name, row in rows.items():
             for _ in range(3):  # warm-up: caches, thread pools, layouts
@@ -141,6 +144,7 @@ def engine_benchmark(
             for _ in range(per_round):
                 contexts[name].append(row.context())
                 times[name].append(row.step())
+            steps_by_round[name].append(times[name][-per_round:])
         log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{k} {rows[k].n / statistics.median(v):.1f}" for k, v in times.items()) + " tok/s")  # fmt: skip
     readable = {}
     if eager_sizes:
@@ -180,6 +184,15 @@ def engine_benchmark(
         r["vs_stream"] = r["tokens_per_s"] / stream["tokens_per_s"]
         if one is not None:
             r["vs_engine_1"] = r["tokens_per_s"] / one["tokens_per_s"]
+    if one is not None:  # the same ratio within each round: how far the machine's drift moves it
+        by_round = {name: [statistics.median(ts) for ts in lists] for name, lists in steps_by_round.items()}
+        for r in results:
+            if r["name"] in by_round:
+                ratios = [
+                    r["sequences"] * a / b
+                    for a, b in zip(by_round["engine 1"], by_round[r["name"]], strict=True)
+                ]
+                r["vs_engine_1_rounds"] = ratios
     return dict(rows=results, weight_bytes=weights, read_bandwidth=bandwidth, prompt_len=prompt_len,
                 timed_steps=steps, rounds=rounds, threads=torch.get_num_threads())  # fmt: skip
 
@@ -187,12 +200,14 @@ def engine_benchmark(
 def format_engine_table(result: dict) -> str:
     """The rows as a markdown table."""
     out = [
-        "| path | sequences | step (ms) | tokens/s | x one engine request | x stream | roofline step (ms) | of roofline |",
+        "| path | sequences | step (ms) | tokens/s | x one engine request (rounds) | x stream | roofline step (ms) | of roofline |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
         roof = f"{r['roofline_ms']:.1f} | {r['fraction_of_roofline']:.0%}" if "roofline_ms" in r else "| "
         vs1 = f"{r['vs_engine_1']:.2f}" if "vs_engine_1" in r else ""
+        if len(r.get("vs_engine_1_rounds", [])) > 1:
+            vs1 += f" ({min(r['vs_engine_1_rounds']):.2f}-{max(r['vs_engine_1_rounds']):.2f})"
         out.append(
             f"| {r['name']} | {r['sequences']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.1f} | {vs1} | "
             f"{r['vs_stream']:.2f} | {roof} |"

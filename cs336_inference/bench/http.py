@@ -17,7 +17,11 @@ Systems, each started and stopped by the benchmark on a free port:
     static       scripts/serve.py --static-batching: the same server admitting a new batch only once
                  the last has finished
     llama.cpp    llama-cpp-python's OpenAI-compatible server (`python -m llama_cpp.server`) on the
-                 same GGUF, if that package is installed
+                 same GGUF, if that package is installed: one request at a time
+    llama-server llama.cpp's own C++ server (`--llama-server PATH`: the binary, which PyPI does not
+                 ship; docs/serving.md says how to build it from llama-cpp-python's source package)
+                 with `--parallel` slots (continuous batching over one shared KV cache, as many
+                 slots as our servers' max_batch_seqs)
 
 Per rate and system: output tokens/s (all output tokens over the time from the first request sent
 to the last reply ended), TTFT, time per output token (TPOT: (end - first token) / (tokens - 1))
@@ -85,6 +89,14 @@ def free_port() -> int:
 
 
 def server_command(system: str, model_path: str, port: int, threads: int, options: dict) -> list[str]:
+    if system == "llama-server":
+        slots = options.get("max_batch_seqs", 16)
+        return [
+            options["llama_server"], "--model", model_path, "--port", str(port), "--host", "127.0.0.1",
+            "--threads", str(threads), "--threads-batch", str(threads), "--parallel", str(slots),
+            "--ctx-size", str(slots * options.get("n_ctx", 2048)), "--alias", MODEL_NAME, "--kv-unified",
+            "--no-webui",
+        ]  # fmt: skip
     if system == "llama.cpp":
         return [
             sys.executable, "-m", "llama_cpp.server", "--model", model_path, "--port", str(port),
@@ -177,6 +189,7 @@ def http_benchmark(
     first = workloads[rates[0]]
     extra = {
         "llama.cpp": {"logit_bias": {str(i): -100.0 for i in eos_ids}},
+        "llama-server": {"ignore_eos": True},
         "continuous": {"ignore_eos": True},
         "static": {"ignore_eos": True},
     }
