@@ -438,8 +438,15 @@ def run_engine(args: argparse.Namespace) -> dict:
     model = load_pretrained(source, dtype=torch.float32).eval()
     if args.format != "fp32":
         model = quantize_model(model, args.format, quantize_head=True)
+    prompts = None
+    if sampled:  # text for the sampled rows: CPython's reference documentation, a request every 1000 tokens
+        from cs336_inference.bench.http import documentation_tokens
+        from cs336_inference.io.tokenizer import load_tokenizer
+
+        doc = documentation_tokens(load_tokenizer(str(source)))
+        prompts = [doc[1000 * i : 1000 * i + args.prompt_len] for i in range(max(sampled))]
     result = bench_engine.engine_benchmark(
-        model, sizes, args.prompt_len, args.steps, args.rounds, eager, sampled, log=log
+        model, sizes, args.prompt_len, args.steps, args.rounds, eager, sampled, prompts, log=log
     )
     result.update(model=source.name, format=args.format)
     result["table"] = bench_engine.format_engine_table(result)
@@ -680,7 +687,9 @@ def main(argv: list[str] | None = None) -> int:
         "--eager-sizes", default="1,16", help="sizes also run on the readable model ('' for none)"
     )
     eng.add_argument(
-        "--sampled-sizes", default="", help="sizes also run sampled (T 0.8, top-p 0.95), unseeded and seeded"
+        "--sampled-sizes",
+        default="",
+        help="sizes also run sampled (T 0.8, top-p 0.95, text prompts), unseeded and seeded",
     )
     eng.add_argument("--prompt-len", type=int, default=64, help="prompt tokens of every request")
     eng.add_argument("--steps", type=int, default=24, help="timed decode steps per row")

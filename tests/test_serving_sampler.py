@@ -12,7 +12,7 @@ import torch
 
 from cs336_inference.sampling import top_p_filter
 from cs336_inference.serving import sampler
-from cs336_inference.serving.sampler import nucleus_mask, sample_rows
+from cs336_inference.serving.sampler import nucleus_mask, nucleus_slice, sample_rows
 from tests.test_sampling import CHI2_CRITICAL_999, chi_square
 
 ROW = [1.2, 0.4, -0.3, 0.9, -1.0, 0.1, 0.6, -0.6]  # V = 8
@@ -49,7 +49,9 @@ def mixed_counts(seed: int = 0) -> list[torch.Tensor]:
     return [torch.bincount(tokens[i * N : (i + 1) * N], minlength=len(ROW)) for i in range(len(CONFIGS))]
 
 
-def test_every_row_of_a_mixed_batch_draws_its_own_truncated_softmax():
+@pytest.mark.parametrize("slice_size", [256, 2], ids=["nuclei in the slice", "wider nuclei: whole rows"])
+def test_every_row_of_a_mixed_batch_draws_its_own_truncated_softmax(slice_size, monkeypatch):
+    monkeypatch.setattr(sampler, "NUCLEUS_SLICE", slice_size)
     counts = mixed_counts()
     for (t, k, p), c in zip(CONFIGS, counts, strict=True):
         want = plain_truncated_softmax(ROW, t, k, p)
@@ -112,6 +114,27 @@ def test_nucleus_equals_top_p_filter_token_for_token(sort, monkeypatch):
         )
 
 
+def test_a_nucleus_inside_the_slice_is_top_p_filters_token_for_token(monkeypatch):
+    monkeypatch.setattr(sampler, "NUCLEUS_SLICE", 40)
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(24, 1000, generator=g) * torch.linspace(0.5, 6.0, 24)[:, None]
+    ps = torch.linspace(0.995, 0.3, 24)  # nuclei of 1 to 981 tokens, one of 41
+    vals, ids, r, inside = nucleus_slice(logits.softmax(dim=-1), ps)
+    assert 0 < int(inside.sum()) < 24, "the cases should include nuclei inside and outside a 40-token slice"
+    for b in range(24):
+        want = set(
+            (~torch.isinf(top_p_filter(logits[b : b + 1], float(ps[b])))[0]).nonzero().flatten().tolist()
+        )
+        assert bool(inside[b]) == (len(want) < 41), (
+            f"row {b}: inside={bool(inside[b])} for a nucleus of {len(want)}"
+        )
+        if inside[b]:
+            got = set(ids[b, : int(r[b])].tolist())
+            assert got == want, (
+                f"row {b} (p={float(ps[b]):.3f}): kept {sorted(got)[:8]}..., expected {sorted(want)[:8]}..."
+            )
+
+
 def test_tied_tokens_at_the_edge_of_the_nucleus_are_kept_only_as_many_as_needed():
     probs = torch.tensor([[0.1, 0.2, 0.2, 0.2, 0.2, 0.1]])  # 0.2 and 0.1 tie
     for p, n in [(0.3, 2), (0.5, 3), (0.61, 4), (0.85, 5), (0.95, 6)]:
@@ -134,8 +157,9 @@ def test_a_token_of_zero_probability_is_never_drawn():
     assert (drawn != 1).all(), "a -inf logit (a grammar's mask) was drawn"
 
 
+@pytest.mark.parametrize("slice_size", [256, 1])
 @pytest.mark.parametrize("u", [0.0, 1.0 - 2.0**-53, 1.0], ids=["u=0", "u=1-eps", "u*total rounded up"])
-def test_the_ends_of_the_uniform_draw_a_possible_token(u, monkeypatch):
+def test_the_ends_of_the_uniform_draw_a_possible_token(u, slice_size, monkeypatch):
     """u = 0 must skip leading tokens of zero probability, and u just below 1 must not run past the
     last possible token into trailing ones (or past the end), even where u * total rounds up to total
     (u = 1 here)."""
@@ -153,6 +177,9 @@ def test_a_token_whose_mass_above_is_exactly_p_is_dropped():
     for p, kept in [(0.75, [0, 1]), (0.7, [0, 1]), (0.5, [0]), (0.875, [0, 1, 2]), (0.9, [0, 1, 2, 3])]:
         got = (~nucleus_mask(probs, torch.tensor([p]))[0]).nonzero().flatten().tolist()
         assert got == kept, f"p={p}: kept {got}, expected {kept} (kept iff the mass ranked above is below p)"
+        _, ids, r, _ = nucleus_slice(probs, torch.tensor([p]))
+        got = sorted(ids[0, : int(r[0])].tolist())
+        assert got == kept, f"p={p}, the slice: kept {got}, expected {kept}"
 
 
 def test_the_engine_draws_unseeded_rows_in_one_batch_and_seeded_rows_as_generate(monkeypatch):

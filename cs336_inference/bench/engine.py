@@ -11,7 +11,7 @@ the bytes. Measured here side by side, one process, one model:
     engine n    LLMEngine with n requests of the same prompt length, all decoding (steady state:
                 prefill done, nobody finishing), on the fast path (`fast.install`) and on the
                 readable model (`--eager` rows); greedy, and for `sampled_sizes` also sampled
-                (temperature 0.8, top-p 0.95) without and with a seed
+                (temperature 0.8, top-p 0.95) without and with a seed, after prompts of text
 
 Each row is the median of its timed steps after warm-up steps, rounds interleaved across the rows so
 that a machine's drift is shared; the ratio to one engine request is also given per round (its
@@ -58,15 +58,21 @@ class EngineSteps:
     """An engine holding n requests that all decode: `step()` times one engine step (seconds)."""
 
     def __init__(
-        self, model, n: int, prompt_len: int, steps: int, block_size: int = 16, sampling: dict | None = None
-    ):
+        self, model, n: int, prompt_len: int, steps: int, block_size: int = 16, sampling: dict | None = None,
+        prompts: list[list[int]] | None = None,
+    ):  # fmt: skip
         S = prompt_len + steps + 8
         blocks = n * -(-S // block_size) + 1
         self.engine = LLMEngine(model, num_blocks=blocks, block_size=block_size, max_batch_tokens=max(512, n), max_batch_seqs=n)  # fmt: skip
         sampling = sampling or dict(temperature=0.0)
         params = SamplingParams(max_new_tokens=steps + 4, stop_token_ids=(), **sampling)
         for i in range(n):
-            self.engine.add_request(synthetic_prompt(model.config.vocab_size, prompt_len, i), params)
+            prompt = (
+                prompts[i][:prompt_len]
+                if prompts
+                else synthetic_prompt(model.config.vocab_size, prompt_len, i)
+            )
+            self.engine.add_request(prompt, params)
         while any(s.num_computed < s.num_prompt for s in self.engine.requests.values()):
             self.engine.step()  # prefill (and the first tokens)
         self.n = n
@@ -111,6 +117,7 @@ def engine_benchmark(
     rounds: int = 3,
     eager_sizes: list[int] | None = None,
     sampled_sizes: list[int] | None = None,
+    sampled_prompts: list[list[int]] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Median step time and tokens/s of the stream and of the engine at each size (module docstring).
@@ -118,7 +125,9 @@ def engine_benchmark(
     `steps` timed steps per row, split over `rounds` interleaved rounds (after 3 warm-up steps each).
     `eager_sizes`: engine sizes also run on the readable model (the fast path uninstalled meanwhile).
     `sampled_sizes`: engine sizes also run with SAMPLED parameters instead of greedy: unseeded (drawn
-    in one batch, serving/sampler.py) and seeded (drawn row by row, as `generate` draws).
+    in one batch, serving/sampler.py) and seeded (drawn row by row, as `generate` draws), from
+    `sampled_prompts` if given (text: how wide a nucleus is, and so what drawing costs, depends on
+    it; the synthetic prompts' token soup gives nuclei of hundreds of tokens).
     """
     install(model)
     weights = stored_bytes(model)
@@ -131,8 +140,8 @@ def engine_benchmark(
         rows[f"engine {n}"] = EngineSteps(model, n, prompt_len, total)
     for n in sampled_sizes or []:
         log(f"  prefilling {n} sampled request(s), unseeded and seeded")
-        rows[f"sampled engine {n}"] = EngineSteps(model, n, prompt_len, total, sampling=SAMPLED)
-        rows[f"seeded engine {n}"] = EngineSteps(model, n, prompt_len, total, sampling=dict(SAMPLED, seed=0))
+        rows[f"sampled engine {n}"] = EngineSteps(model, n, prompt_len, total, sampling=SAMPLED, prompts=sampled_prompts)  # fmt: skip
+        rows[f"seeded engine {n}"] = EngineSteps(model, n, prompt_len, total, sampling=dict(SAMPLED, seed=0), prompts=sampled_prompts)  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in rows}
     contexts: dict[str, list[float]] = {name: [] for name in rows}
     per_round = -(-steps // rounds)

@@ -8,8 +8,9 @@ softmax(filter_logits(row, T, k, p)), is drawn with one uniform number per row (
 
     logits / T             every row by its own temperature
     top-k                  one topk for the largest k among the rows, each row keeping its first k
-    top-p                  the nucleus from each row's sorted values: a threshold and a count of
-                           ties, no sorted indices
+    top-p                  the nucleus from the row's NUCLEUS_SLICE most likely tokens (one topk),
+                           and the draw among them; a row whose nucleus is wider than that: from its
+                           sorted values (a threshold and a count of ties, no sorted indices)
     draw                   u ~ U[0, 1) per row, the first token whose cumulative mass exceeds u times
                            the row's total (float64 sums; a token of zero probability is never drawn)
 
@@ -27,6 +28,8 @@ import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
+
+NUCLEUS_SLICE = 256  # the most likely tokens a row's nucleus is looked for in before the whole row
 
 
 def sorted_descending(probs: Float[Tensor, "B V"]) -> Float[Tensor, "B V"]:
@@ -53,6 +56,29 @@ def nucleus_mask(probs: Float[Tensor, "B V"], top_p: Float[Tensor, " B"]) -> tor
     return ~keep
 
 
+def nucleus_slice(
+    probs: Float[Tensor, "B V"], top_p: Float[Tensor, " B"]
+) -> tuple[Float[Tensor, "B C"], Int[Tensor, "B C"], Int[Tensor, " B"], torch.Tensor]:
+    """Each row's NUCLEUS_SLICE most likely tokens, largest first (values, ids), how many of them its
+    nucleus keeps (r), and whether the nucleus lies inside the slice (Bool [B]: the first token past
+    the slice is dropped, so every later one is too); the other rows need nucleus_mask."""
+    c = min(NUCLEUS_SLICE + 1, probs.shape[-1])
+    vals, ids = probs.topk(c, dim=-1)
+    above = vals.cumsum(dim=-1) - vals
+    r = (above < top_p[:, None]).sum(dim=-1)
+    inside = r < c if c < probs.shape[-1] else torch.ones_like(r, dtype=torch.bool)
+    return vals, ids, r, inside
+
+
+def _draw(weights: Float[Tensor, "n C"], u: Float[Tensor, " n"]) -> Int[Tensor, " n"]:
+    """Per row, the first column whose cumulative weight exceeds u times the row's total (float64);
+    a column of weight 0 is never chosen."""
+    cdf = weights.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None].to(cdf.device) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[:, 0]
+
+
 def sample_rows(
     logits: Float[Tensor, "B V"],
     temperature: Sequence[float],
@@ -74,16 +100,25 @@ def sample_rows(
         limited = torch.tensor([k < V for k in ks], device=x.device)
         x = torch.where(limited[:, None], cut, x)
     probs = x.softmax(dim=-1)
+    u = torch.rand(
+        B, dtype=torch.float64, generator=generator, device=generator.device if generator else None
+    )
+    u = u.to(x.device)
+    tokens = torch.empty(B, dtype=torch.long, device=x.device)
+    whole = torch.ones(B, dtype=torch.bool, device=x.device)  # rows drawn over the whole vocabulary
     ps = [1.0 if p is None else p for p in top_p]
     nucleus = [b for b, p in enumerate(ps) if p < 1.0]
     if nucleus:
         rows = torch.tensor(nucleus, device=x.device)
         p = torch.tensor([ps[b] for b in nucleus], dtype=torch.float32, device=x.device)
-        probs[rows] = probs[rows].masked_fill(nucleus_mask(probs[rows], p), 0.0)
-    cdf = probs.double().cumsum(dim=-1)
-    u = torch.rand(
-        B, 1, dtype=torch.float64, generator=generator, device=generator.device if generator else None
-    )
-    total = cdf[:, -1:]
-    u = torch.minimum(u.to(cdf.device) * total, torch.nextafter(total, torch.zeros_like(total)))  # < total
-    return torch.searchsorted(cdf, u, right=True)[:, 0]
+        vals, ids, r, inside = nucleus_slice(probs[rows], p)
+        kept = vals.masked_fill(torch.arange(vals.shape[-1], device=x.device)[None, :] >= r[:, None], 0.0)
+        pick = _draw(kept[inside], u[rows[inside]])
+        tokens[rows[inside]] = ids[inside].gather(-1, pick[:, None])[:, 0]
+        whole[rows[inside]] = False
+        wide = rows[~inside]  # nuclei wider than the slice: masked over the whole row
+        if len(wide):
+            probs[wide] = probs[wide].masked_fill(nucleus_mask(probs[wide], p[~inside]), 0.0)
+    if whole.any():
+        tokens[whole] = _draw(probs[whole], u[whole])
+    return tokens
