@@ -1,9 +1,9 @@
 """The engine's sampler for rows that carry no seed: every row drawn in a few batched operations.
 
 `sampling.sample_next_token` draws one row at a time with torch.multinomial, which on the CPU
-draws one exponential per vocabulary entry (argmax of p / Exp(1)): about 0.7 ms for SmolLM2's
-49,152 tokens, and top-p sorts the whole row (about 3 ms). Sixteen sampled rows then cost about as
-much as the decode step that made their logits. Here the same distribution,
+draws one exponential per vocabulary entry (argmax of p / Exp(1)), and top-p sorts the whole row:
+for SmolLM2's 49,152 tokens about 0.7 and 3 ms a row (AMD EPYC Zen 5, 2026-11-26), so sixteen
+sampled rows cost more than the decode step that made their logits. Here the same distribution,
 softmax(filter_logits(row, T, k, p)), is drawn with one uniform number per row (inverse CDF):
 
     logits / T             every row by its own temperature
@@ -34,7 +34,8 @@ NUCLEUS_SLICE = 256  # the most likely tokens a row's nucleus is looked for in b
 
 def sorted_descending(probs: Float[Tensor, "B V"]) -> Float[Tensor, "B V"]:
     """Each row's values, largest first. On the CPU through numpy's sort of the values alone (16
-    SmolLM2 rows: about 1.6 ms, against about 24 ms for torch.sort, which also orders indices)."""
+    SmolLM2 rows: about 1.6 ms, against about 24 ms for torch.sort, which also orders indices; AMD
+    EPYC Zen 5, 2 threads, 2026-11-26)."""
     if probs.device.type != "cpu":
         return probs.sort(dim=-1, descending=True).values
     return torch.from_numpy(np.ascontiguousarray(np.sort(probs.numpy(), axis=-1)[:, ::-1]))
