@@ -17,7 +17,8 @@ softmax(filter_logits(row, T, k, p)), is drawn with one uniform number per row (
 Rows with a seed do not come here: they keep `sample_next_token` and their own generator, so a
 seeded request draws what `generate(..., seed=seed)` draws. Unseeded rows draw from the global
 random stream, which no caller can replay, so only their distribution is promised; the tests
-check it against filter_logits by chi-square, with controls that must fail.
+check it by chi-square against a truncated softmax written out in plain Python, with controls that
+must fail, and the nucleus token for token against top_p_filter.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def sorted_descending(probs: Float[Tensor, "B V"]) -> Float[Tensor, "B V"]:
     return torch.from_numpy(np.ascontiguousarray(np.sort(probs.numpy(), axis=-1)[:, ::-1]))
 
 
+def kept_ranks(vals: Float[Tensor, "B C"], top_p: Float[Tensor, " B"]) -> Int[Tensor, " B"]:
+    """How many of each row's values, sorted largest first, its nucleus keeps: those ranks whose mass
+    above is still below p (sampling.top_p_filter's rule, the same float32 sums)."""
+    return ((vals.cumsum(dim=-1) - vals) < top_p[:, None]).sum(dim=-1)
+
+
 def nucleus_mask(probs: Float[Tensor, "B V"], top_p: Float[Tensor, " B"]) -> torch.Tensor:
     """Bool [B, V], True where a token is outside its row's nucleus: the mass of the tokens ranked
     strictly above it already reaches p (sampling.top_p_filter's rule).
@@ -49,8 +56,7 @@ def nucleus_mask(probs: Float[Tensor, "B V"], top_p: Float[Tensor, " B"]) -> tor
     p, above rank r it is not), so every token larger than the r-th value v is kept, and of the
     tokens equal to v, as many as rank r still needs (the first ones; top_p_filter keeps any)."""
     vals = sorted_descending(probs)
-    above = vals.cumsum(dim=-1) - vals
-    r = (above < top_p[:, None]).sum(dim=-1, keepdim=True)  # >= 1: nothing is above the first
+    r = kept_ranks(vals, top_p)[:, None]  # >= 1: nothing is above the first
     v = vals.gather(-1, r - 1)
     larger, tied = probs > v, probs == v
     keep = larger | (tied & (tied.cumsum(dim=-1) <= r - larger.sum(dim=-1, keepdim=True)))
@@ -65,8 +71,7 @@ def nucleus_slice(
     the slice is dropped, so every later one is too); the other rows need nucleus_mask."""
     c = min(NUCLEUS_SLICE + 1, probs.shape[-1])
     vals, ids = probs.topk(c, dim=-1)
-    above = vals.cumsum(dim=-1) - vals
-    r = (above < top_p[:, None]).sum(dim=-1)
+    r = kept_ranks(vals, top_p)
     inside = r < c if c < probs.shape[-1] else torch.ones_like(r, dtype=torch.bool)
     return vals, ids, r, inside
 

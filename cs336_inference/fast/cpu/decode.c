@@ -599,6 +599,18 @@ static float *deinterleave_x(const float *x, i64 M, i64 I, i64 ldx) {
    128 and 512 KB chunks did no better than 256 in a 16-request engine step. Not for down (1536
    inputs: one group's x does not fit L1; smaller groups that fit were slower). A pair's operations
    are the same either way. */
+/* y[m0 + r, o + j] = s[r][j] (* scale[o + j] for int8) (+ bias[o + j]) for a tile's J outputs and R rows */
+static inline void store_tile(const Weight *W, const float *bias, float s[][4], i64 o, int J, i64 m0, i64 R, i64 O,
+                              float *y) {
+    for (int j = 0; j < J; j++) {
+        float scale = W->fmt == FMT_INT8 ? W->scale_f32[o + j] : 1.f, b = bias ? bias[o + j] : 0.f;
+        for (i64 r = 0; r < R; r++) {
+            float v = W->fmt == FMT_INT8 ? s[r][j] * scale : s[r][j];
+            y[(m0 + r) * O + o + j] = bias ? v + b : v;
+        }
+    }
+}
+
 enum { OUTER_X_BYTES = 32 << 10 };
 #define OUTER_CHUNK_BYTES ((i64)256 << 10)
 static void rowmajor_mm(const Weight *W, const float *x, i64 M, i64 I, i64 ldx, i64 O, const float *bias,
@@ -633,13 +645,7 @@ static void rowmajor_mm(const Weight *W, const float *x, i64 M, i64 I, i64 ldx, 
                         int J = O - o < TW ? (int)(O - o) : TW;
                         for (int j = 0; j < 4; j++) oj[j] = o + (j < J ? j : 0); /* as below */
                         tile_any(W, oj, x + m * ldx, ldx, TW, R, I, s);
-                        for (int j = 0; j < J; j++) {
-                            float scale = W->fmt == FMT_INT8 ? W->scale_f32[o + j] : 1.f, b = bias ? bias[o + j] : 0.f;
-                            for (int r = 0; r < R; r++) {
-                                float v = W->fmt == FMT_INT8 ? s[r][j] * scale : s[r][j];
-                                y[(m + r) * O + o + j] = bias ? v + b : v;
-                            }
-                        }
+                        store_tile(W, bias, s, o, J, m, R, O, y);
                     }
                 }
             }
@@ -664,13 +670,7 @@ static void rowmajor_mm(const Weight *W, const float *x, i64 M, i64 I, i64 ldx, 
                 T = &B;
             }
             for (i64 m = 0; m < M; m += RG) tile_any(T, oj, x + m * ldx, ldx, TW, M - m < RG ? (int)(M - m) : RG, I, s + m);
-            for (int j = 0; j < J; j++) {
-                float scale = W->fmt == FMT_INT8 ? W->scale_f32[o + j] : 1.f, b = bias ? bias[o + j] : 0.f;
-                for (i64 m = 0; m < M; m++) {
-                    float v = W->fmt == FMT_INT8 ? s[m][j] * scale : s[m][j];
-                    y[m * O + o + j] = bias ? v + b : v;
-                }
-            }
+            store_tile(W, bias, s, o, J, 0, M, O, y);
         }
         free(buf);
     }

@@ -191,6 +191,10 @@ static inline void phase(int k, double *t) {
    head are done together, up to GROUP at once: each key and value row is read once for all of them
    (decode attention reads the cache, memory-bound like the products). */
 enum { GROUP = 8, AHEAD = 8 };
+static inline void prefetch_row(const float *r, i64 H) {
+    for (i64 c = 0; c < H; c += 16) __builtin_prefetch(r + c); /* a cache line at a time */
+}
+
 /* one task of attend_paged: the `heads` query heads at q (of K/V head g's group) against row m's
    keys lo..qs; inlined with H a constant for the common head sizes. The next keys' and values' rows
    are prefetched AHEAD slots on (a sequence's slots jump at each block boundary). */
@@ -201,10 +205,7 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, c
     float mx[GROUP], sum[GROUP];
     for (i64 e = 0; e < heads; e++) mx[e] = -INFINITY;
     for (i64 j = lo; j <= qs; j++) {
-        if (j + AHEAD <= qs) {
-            const float *kn = k + slot[j + AHEAD] * stride;
-            for (i64 c = 0; c < H; c += 16) __builtin_prefetch(kn + c);
-        }
+        if (j + AHEAD <= qs) prefetch_row(k + slot[j + AHEAD] * stride, H);
         const float *kj = k + slot[j] * stride;
         for (i64 e = 0; e < heads; e++) {
             float x = dot(q + e * H, kj, H) * scale;
@@ -221,10 +222,7 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, c
     }
     for (i64 i = 0; i < heads * H; i++) acc[i] = 0.f;
     for (i64 j = lo; j <= qs; j++) {
-        if (j + AHEAD <= qs) {
-            const float *vn = v + slot[j + AHEAD] * stride;
-            for (i64 c = 0; c < H; c += 16) __builtin_prefetch(vn + c);
-        }
+        if (j + AHEAD <= qs) prefetch_row(v + slot[j + AHEAD] * stride, H);
         const float *vj = v + slot[j] * stride;
         for (i64 e = 0; e < heads; e++) {
             float w = p[e * S + j] / sum[e], *ae = acc + e * H;
