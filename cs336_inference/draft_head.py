@@ -233,6 +233,7 @@ class HeadDraft:
         self.feats = torch.empty(capacity + spare, head.config.d_model, dtype=w.dtype, device=w.device)
         self.known = 0  # features of positions 0 .. known - 1 are in self.feats
         self.fed = 0  # the head's cache holds positions 1 .. fed (position j at step j - 1)
+        self.last_g: Tensor | None = None  # the head's output at position fed
         if self.adaptive is not None:
             self.adaptive.reset()
 
@@ -278,16 +279,29 @@ class HeadDraft:
                 return DraftTree(chain, torch.arange(-1, len(found), device=device), p)
         return self._head_tree(context, params, generator, depth)
 
+    @torch.inference_mode()
+    def catch_up(self, context: Int[Tensor, " S"]) -> Float[Tensor, " D"]:
+        """Feed the head the positions it has not seen (fed + 1 .. S - 1, each with the target's
+        features of the position before); returns g of the last one. speculative_tree calls it after
+        the prompt's prefill, so that the first round that drafts does not pay for reading the prompt
+        (which would make drafting look slow to the adaptive depth)."""
+        n = len(context)
+        if self.known != n - 1:
+            raise ValueError(f"the head has the features of {self.known} positions, expected {n - 1}")
+        self.cache.truncate(self.fed)
+        if self.fed == n - 1:  # nothing new: the last g is kept
+            return self.last_g
+        g = self.head(context[None, self.fed + 1 : n], self.feats[None, self.fed : n - 1], cache=self.cache)
+        self.fed, self.last_g = n - 1, g[0, -1]
+        return self.last_g
+
     def _head_tree(self, context, params, generator, depth: int):
         from .speculative_tree import draw_children, tree_mask
 
         n, head, device = len(context), self.head, context.device
         shape = self.shape.cut(depth)
         greedy = params.temperature == 0.0
-        # catch up: positions fed + 1 .. n - 1 with the target's features
-        self.cache.truncate(self.fed)
-        g = head(context[None, self.fed + 1 : n], self.feats[None, self.fed : n - 1], cache=self.cache)[0, -1]
-        self.fed = n - 1
+        g = self.catch_up(context)
         T = len(shape)
         tokens = torch.zeros(T, dtype=torch.long, device=device)
         tokens[0] = context[-1]

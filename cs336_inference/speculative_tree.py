@@ -339,8 +339,13 @@ class AdaptiveDepth:
         d            argmax E[d] / t[d]
 
     A depth above 0 is chosen only when its rate beats plain decoding's by `margin` (measured times
-    are noisy, and a draft that barely pays is not worth the risk). Every `explore` rounds the depth
-    one above the best is tried, so its figures stay current.
+    are noisy, and a draft that barely pays is not worth the risk). The first round is plain decoding,
+    to time it. After that, every `explore` rounds a depth beside the best is tried, so
+    that the figures of the depths around it stay current (a depth never run keeps its old time):
+    one above after a change, else below and above in turns. While explorations change nothing,
+    each waits twice as long as the one before (up to 8 x `explore` rounds): on text the head cannot
+    follow, every exploration is a lost pass. The times leave out building a pass of a new size
+    (`_tree_rounds` has the target prepare it first), which would make a depth tried once look slow.
     """
 
     def __init__(self, shape: TreeShape, explore: int = 16, decay: float = 0.95, margin: float = 0.05):
@@ -350,10 +355,11 @@ class AdaptiveDepth:
         self.reached = [0.0] + [2.0] * D  # a prior of 0.6 accepts in two tries at every depth
         self.accepted = [0.0] + [0.6] * D
         self.seconds: list[float | None] = [None] * (D + 1)
-        self.rounds = 0
+        self.reset()
 
     def reset(self) -> None:
-        self.rounds = 0
+        self.rounds = self.last_explore = self.unchanged = 0
+        self.period, self.explored = self.explore, None
 
     def expected_tokens(self) -> list[float]:
         out, run, total = [1.0], 1.0, 1.0
@@ -378,12 +384,22 @@ class AdaptiveDepth:
 
     def choose(self) -> int:
         self.rounds += 1
+        if self.seconds[0] is None:  # plain decoding's own time first, the yardstick of every other depth
+            return 0
         rate = [e / t for e, t in zip(self.expected_tokens(), self.round_seconds(), strict=True)]
         best = max(range(len(rate)), key=rate.__getitem__)
         if rate[best] < (1.0 + self.margin) * rate[0]:
             best = 0
-        if self.rounds % self.explore == 0 and best < self.shape.depth:
-            return best + 1
+        if self.explored is not None:  # an exploration that changed nothing waits twice as long for the next
+            same = best == self.explored
+            self.period = min(2 * self.period, 8 * self.explore) if same else self.explore
+            self.unchanged = self.unchanged + 1 if same else 0
+            self.explored = None
+        if self.rounds - self.last_explore >= self.period:
+            self.last_explore, self.explored = self.rounds, best
+            below = self.unchanged % 2 == 1 and best > 0  # above first: a choice that moved may go on
+            if below or best < self.shape.depth:
+                return best - 1 if below else best + 1
         return best
 
     def record(self, tree: DraftTree, path: list[int], draft_s: float, verify_s: float) -> None:
@@ -402,6 +418,23 @@ class AdaptiveDepth:
 
 
 # ------------------------------------------------------------------ the loop
+def prompt_features(
+    target: TransformerLM, ids: Int[Tensor, " P"], cache: KVCache
+) -> tuple[Float[Tensor, "1 V"], Float[Tensor, "P D"]]:
+    """The prompt's prefill into cache: the last position's logits and the features of every position
+    (the final norm's output). A hook keeps the last block's output, which `last_only` would cut to
+    one row before the norm: the features `target(..., return_hidden=True)` gives, without the P - 1
+    rows of the output product it would compute and throw away (for SmolLM2 each row reads 49,152 x
+    576 weights)."""
+    kept = []
+    hook = target.layers[-1].register_forward_hook(lambda module, args, out: kept.append(out))
+    try:
+        logits = target(ids[None], cache=cache, last_only=True)
+    finally:
+        hook.remove()
+    return logits[0], target.norm(kept[0])[0]
+
+
 def tree_stream(
     target: TransformerLM,
     draft,
@@ -442,22 +475,36 @@ def _tree_rounds(target, draft, ids, params: SamplingParams, stats, steps) -> It
     features = getattr(draft, "reads_features", False)
     draft.reset(capacity, spare)
     stats.caches["target"] = cache
-    if P > 1:
-        if features:
-            _, h = target(ids[None, :-1], cache=cache, return_hidden=True)
-            draft.observe(h[0])
-        else:
-            target(ids[None, :-1], cache=cache, last_only=True)
+    # the prompt's prefill gives the first token, as generate's does: a first round would spend a
+    # target pass on the newest prompt token (a root alone whenever the adaptive depth drafts nothing)
+    if features:
+        logits, h = prompt_features(target, ids, cache)
+        draft.observe(h)
+    else:
+        logits = target(ids[None], cache=cache, last_only=True)[0]
+    if params.temperature == 0.0:
+        first = logits[-1].float().argmax(-1, keepdim=True)
+    else:
+        q = sampling_probs(logits[-1], params.temperature, params.top_k, params.top_p)
+        first = torch.multinomial(q, 1, generator=generator)
     context = torch.empty(capacity, dtype=torch.long, device=device)
     context[:P] = ids
-    n = P
+    context[P] = first
+    n = P + 1
+    if (yield from stats.emit(first, stops)):
+        return
+    if hasattr(draft, "catch_up"):  # a trained head reads the prompt now, not in the first round that drafts
+        draft.catch_up(context[:n])
     while n - P < max_new_tokens:
         budget = max_new_tokens - (n - P) - 1  # never draft past max_new_tokens
         began = time.perf_counter()
         tree = draft.propose_tree(context[:n], params, generator, budget)
         drafted_s = time.perf_counter() - began
+        if hasattr(runner, "prepare"):  # a pass of a new size is built outside the timed verify
+            runner.prepare(len(tree))
+        began = time.perf_counter()
         new, path, h = verify_tree(runner, cache, tree, params, generator, features)
-        verify_s = time.perf_counter() - began - drafted_s
+        verify_s = time.perf_counter() - began
         stats.draft_seconds += drafted_s
         stats.verify_seconds += verify_s
         if hasattr(draft, "record"):

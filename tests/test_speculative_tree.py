@@ -355,6 +355,41 @@ def test_adaptive_depth_follows_acceptance_and_cost():
     )
 
 
+def test_adaptive_depth_times_plain_decoding_and_forgets_a_first_round():
+    """Drafts accepted 20% of the time, rounds costing 10 ms + 3 ms per level, a depth's first round 5x
+    (as if building its pass): plain decoding is the fastest, and after the first rounds it is what
+    the choice settles on, its explorations aside."""
+    shape = TreeShape.chain(4)
+    adaptive, gen, seen = st.AdaptiveDepth(shape), torch.Generator().manual_seed(0), set()
+    picks = []
+    for _ in range(200):
+        d = adaptive.choose()
+        picks.append(d)
+        reach = 0
+        while reach < d and torch.rand((), generator=gen) < 0.2:
+            reach += 1
+        seconds = (0.010 + 0.003 * d) * (5 if d not in seen else 1)
+        seen.add(d)
+        tree = DraftTree(torch.zeros(d + 1, dtype=torch.long), torch.arange(-1, d))
+        adaptive.record(tree, list(range(reach + 1)), 0.0, seconds)
+    late = picks[100:]
+    assert late.count(0) >= 0.85 * len(late), f"rounds 100-199 chose depths {late}, expected mostly 0"
+
+
+def test_prompt_features_equal_the_forward_s_own():
+    for variant in ("gqa", "mla", "sliding"):
+        target = tiny_model(variant)
+        ids = prompt(9, 3)
+        a, b = target.new_cache(1, 16), target.new_cache(1, 16)
+        with torch.no_grad():
+            logits, got = st.prompt_features(target, ids, a)
+            all_logits, want = target(ids[None], cache=b, return_hidden=True)
+        assert torch.equal(got, want[0]), f"{variant}: features differ from return_hidden=True's"
+        torch.testing.assert_close(logits, all_logits[0, -1:], msg=f"{variant}: the last position's logits")
+        assert a.pos == b.pos == 9, f"{variant}: cache at {a.pos}, expected 9"
+        check_cache_holds(f"{variant} prompt_features cache", target, a, ids, 0)
+
+
 def test_head_save_load_round_trip(tmp_path):
     target = tiny_model("gqa")
     head = DraftHead(target.config, torch.tensor([5, 1, 9, 30])).attach(target)

@@ -246,7 +246,7 @@ class FixedShapes:
         self.model, self.cache, self.T_max, self.mode = model, cache, T_max, mode
         self.config, self.embed = model.config, model.embed
         self.steps = {1: FixedStep(model, cache, mode, 1)}  # checks the cache and the mode
-        self.trees: dict[int, FixedStep] = {}  # tree passes by node count (tree)
+        self.trees = {1: self.steps[1]}  # tree passes by node count (tree); a root alone is a decode step
 
     def __call__(self, ids: Int[Tensor, "1 T"], cache: KVCache, last_only: bool = False) -> Tensor:
         if cache is not self.cache:
@@ -263,6 +263,13 @@ class FixedShapes:
         cache.pos = start + T
         return (logits[:, None] if size == 1 else logits[:, :T]).clone()
 
+    def prepare(self, T: int) -> FixedStep:
+        """The tree pass of T nodes, built on first use (a few ms: speculative_tree keeps it out of its
+        timing of the pass)."""
+        if T not in self.trees:
+            self.trees[T] = FixedStep(self.model, self.cache, self.mode, T)
+        return self.trees[T]
+
     def tree(self, cache: KVCache, tree, return_hidden: bool = False):
         """speculative_tree's target pass over a tree of drafts as a fixed-shape step of its T nodes:
         logits [T, V] (and the features [T, D] with return_hidden). Native or eager steps only."""
@@ -273,9 +280,7 @@ class FixedShapes:
         if self.mode not in ("native", "eager", None) or self.embed.weight.device.type != "cpu":
             raise ValueError("tree passes run as native or eager fixed-shape steps on the CPU")
         T, start = len(tree), cache.pos
-        if T not in self.trees:
-            self.trees[T] = FixedStep(self.model, cache, self.mode, T)
-        step = self.trees[T]
+        step = self.prepare(T)
         inner = step.step
         if T > 1:
             mask = tree_mask(tree.parents)

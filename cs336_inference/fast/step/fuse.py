@@ -153,7 +153,9 @@ def fuse_siblings(model: nn.Module) -> int:
     made = 0
     for module in model.modules():
         for names in GROUPS:
-            layers = [getattr(module, name, None) for name in names]
+            layers = [
+                module._modules.get(name) for name in names
+            ]  # getattr would raise and catch on most modules
             if any(layer is None or hasattr(layer, "siblings") for layer in layers) or not _same_kind(layers):
                 continue
             group = Siblings(layers)
