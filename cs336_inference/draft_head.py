@@ -210,20 +210,25 @@ class HeadDraft:
     measured acceptance per depth and the measured cost of drafting and verifying each depth;
     depth 0 (no drafts: a plain decode step) is among the choices.
     lookup: prompt lookup first (speculative.prompt_lookup, n = 3 down to 2): where the context's
-    tail occurred before, the round drafts the tokens that followed it (as many as the round's depth)
-    as a chain with one-hot p instead of the head's tree (a copy runs long, and a chain's verify pass
-    is cheaper than a tree's).
+    tail occurred before, the round drafts the tokens that followed it as a chain with one-hot p
+    instead of the head's tree (a copy runs long, and a chain's verify pass is cheaper than a
+    tree's): up to the shape's depth of them, or with `adaptive` as many as a second AdaptiveDepth
+    over chains chooses (its own acceptance and costs: copying and the head succeed on different
+    text; 0 leaves the round to the head).
     """
 
     reads_features = True
 
     def __init__(self, head: DraftHead, shape=4, adaptive: bool = False, lookup: bool = False):
-        from .speculative_tree import AdaptiveDepth, as_shape
+        from .speculative_tree import AdaptiveDepth, TreeShape, as_shape
 
         self.head, self.shape, self.lookup = head, as_shape(shape), lookup
         self.max_depth = self.shape.depth
         self.max_nodes = len(self.shape) + (self.shape.depth if lookup else 0)
         self.adaptive = AdaptiveDepth(self.shape) if adaptive else None
+        # with both, copying has a choice of its own: how many of the tokens lookup found to draft
+        self.copying = AdaptiveDepth(TreeShape.chain(self.shape.depth)) if adaptive and lookup else None
+        self.drafter = None
         self.model = None  # not a TransformerLM draft (speculative._check_args)
 
     def reset(self, capacity: int, spare: int) -> None:
@@ -234,16 +239,22 @@ class HeadDraft:
         self.known = 0  # features of positions 0 .. known - 1 are in self.feats
         self.fed = 0  # the head's cache holds positions 1 .. fed (position j at step j - 1)
         self.last_g: Tensor | None = None  # the head's output at position fed
-        if self.adaptive is not None:
-            self.adaptive.reset()
+        for adaptive in (self.adaptive, self.copying):
+            if adaptive is not None:
+                adaptive.reset()
 
     def observe(self, h: Float[Tensor, "n D"]) -> None:
         self.feats[self.known : self.known + len(h)] = h.to(self.feats.dtype)
         self.known += len(h)
 
     def record(self, tree, path, draft_s: float, verify_s: float) -> None:
-        if self.adaptive is not None:
-            self.adaptive.record(tree, path, draft_s, verify_s)
+        """A round's outcome to the adaptive choice that made it; a round of plain decoding to both
+        (each compares its depths with plain decoding's time)."""
+        if len(tree) == 1:
+            for adaptive in {self.adaptive, self.copying} - {None}:
+                adaptive.record(tree, path, draft_s, verify_s)
+        elif self.drafter is not None:
+            self.drafter.record(tree, path, draft_s, verify_s)
 
     def _distribution(self, g: Tensor, params) -> Tensor:
         """The head's draft distribution over its vocabulary (the target's filters applied)."""
@@ -259,17 +270,20 @@ class HeadDraft:
         from .speculative_tree import DraftTree
 
         n, head, device = len(context), self.head, context.device
-        depth = self.shape.depth if budget is None else min(budget, self.shape.depth)
-        if self.adaptive is not None:
-            depth = min(depth, self.adaptive.choose())
+        limit = self.shape.depth if budget is None else min(budget, self.shape.depth)
         if self.known != n - 1:
             raise ValueError(f"the head has the features of {self.known} positions, expected {n - 1}")
-        if depth == 0 or n < 2:
-            return DraftTree(context[-1:], torch.tensor([-1], device=device))
+        root = DraftTree(context[-1:], torch.tensor([-1], device=device))
+        self.drafter = None  # which choice this round's drafts came from (record)
+        if limit == 0 or n < 2:
+            return root
         if self.lookup:
             from .speculative import prompt_lookup
 
-            found = prompt_lookup(context.tolist(), depth, 3, 2)
+            found = prompt_lookup(context.tolist(), limit, 3, 2)
+            if found and self.copying is not None:
+                found = found[: self.copying.choose()]
+                self.drafter = self.copying
             if found:  # the continuation alone, a chain of deterministic drafts (p one-hot)
                 chain = torch.tensor([int(context[-1]), *found], device=device)
                 p = None
@@ -277,7 +291,10 @@ class HeadDraft:
                     p = torch.zeros(len(chain), head.config.vocab_size, device=device)
                     p[torch.arange(len(found)), chain[1:]] = 1.0
                 return DraftTree(chain, torch.arange(-1, len(found), device=device), p)
-        return self._head_tree(context, params, generator, depth)
+        depth = limit
+        if self.adaptive is not None:
+            depth, self.drafter = min(limit, self.adaptive.choose()), self.adaptive
+        return root if depth == 0 else self._head_tree(context, params, generator, depth)
 
     @torch.inference_mode()
     def catch_up(self, context: Int[Tensor, " S"]) -> Float[Tensor, " D"]:

@@ -332,7 +332,9 @@ class AdaptiveDepth:
     maximise the expected tokens per second from what the rounds so far measured:
 
         a_e          acceptance at depth e: of the rounds whose walk reached depth e - 1 with a node
-                     of depth e to try, the share that accepted one (decayed, so it follows the text)
+                     of depth e to try, the share that accepted one (decayed, so it follows the text);
+                     a depth no round has reached takes the deepest reached one's (the geometric
+                     guess of the chain formula), so a choice that keeps being accepted climbs
         E[d]         1 + sum_{e <= d} a_1 ... a_e       (expected tokens a round of depth d emits)
         t[d]         measured seconds of a round of depth d (drafting + verifying), an average that
                      forgets; a depth not measured yet is extrapolated from the nearest measured one
@@ -354,6 +356,7 @@ class AdaptiveDepth:
         self.nodes = [len(shape.cut(d)) for d in range(D + 1)]
         self.reached = [0.0] + [2.0] * D  # a prior of 0.6 accepts in two tries at every depth
         self.accepted = [0.0] + [0.6] * D
+        self.seen = [False] * (D + 1)  # whether any round has reached depth e - 1 with a node of depth e
         self.seconds: list[float | None] = [None] * (D + 1)
         self.reset()
 
@@ -362,9 +365,11 @@ class AdaptiveDepth:
         self.period, self.explored = self.explore, None
 
     def expected_tokens(self) -> list[float]:
-        out, run, total = [1.0], 1.0, 1.0
+        out, run, total, a = [1.0], 1.0, 1.0, None
         for e in range(1, self.shape.depth + 1):
-            run *= self.accepted[e] / self.reached[e]
+            # a level no round has reached yet: as likely as the deepest one reached (else the prior)
+            a = self.accepted[e] / self.reached[e] if self.seen[e] or a is None else a
+            run *= a
             total += run
             out.append(total)
         return out
@@ -410,6 +415,7 @@ class AdaptiveDepth:
             self.reached[e] *= self.decay
             self.accepted[e] *= self.decay
             if reach >= e - 1:
+                self.seen[e] = True
                 self.reached[e] += 1.0
                 self.accepted[e] += float(reach >= e)
         s = draft_s + verify_s

@@ -11,7 +11,10 @@ speculative decoding and plain `generate` on the same prompts in the same proces
     draft cost       time of a 1-token draft step / a 1-token target step (0 for prompt lookup)
     predicted        tokens/pass / (verify cost + k * draft cost), in units of one target step
     speedup          target-only time / speculative time (measured), pooled; per prompt in the JSON
-                     ("speedup_per_prompt") and the log
+                     ("speedup_per_prompt") and the log. Each prompt's target-only run is repeated
+                     right before each row's speculative run of it, and the row's speedup uses those
+                     times: a memory bandwidth that drifts over the minutes a workload takes moves the
+                     speed of both alike
     identical        greedy speculative output == greedy generate output, every prompt
 
 Times are wall clock on whatever device the models are on (CUDA events on a GPU).
@@ -219,7 +222,7 @@ def speculative_benchmark(
             tree = isinstance(draft, TreeDraft)
             for k in ks if not tree or draft.per_k else ks[:1]:
                 new = passes = accepted = rejected = drafted = 0
-                spec_times, identical, round_drafts = [], True, []
+                spec_times, row_base_times, identical, round_drafts = [], [], True, []
                 draft_s = verify_s = 0.0
                 drafter = draft.make(k) if tree else draft
                 if tree:
@@ -227,6 +230,8 @@ def speculative_benchmark(
                 # a chain draft takes k; a tree draft has its own shape
                 run = tree_generate if tree else functools.partial(speculative_generate, k=k)
                 for ids, ref in zip(prompts, base_tokens, strict=True):
+                    # the baseline again right before: the speedup pairs runs seconds apart, not minutes
+                    row_base_times.append(_timed(lambda ids=ids: target_only(ids))[1])
                     (out, stats), seconds = _timed(
                         lambda ids=ids, run=run, drafter=drafter: run(
                             target,
@@ -273,10 +278,10 @@ def speculative_benchmark(
                     draft_cost_per="round" if tree else "step",
                     drafted_per_pass=drafted / passes,
                     predicted_speedup=tpp / round_cost,
-                    speedup=base_s / spec_s,
-                    speedup_per_prompt=[b / t for b, t in zip(base_times, spec_times, strict=True)],
+                    speedup=sum(row_base_times) / spec_s,
+                    speedup_per_prompt=[b / t for b, t in zip(row_base_times, spec_times, strict=True)],
                     tokens_per_s=new / spec_s,
-                    target_tokens_per_s=n_base / base_s,
+                    target_tokens_per_s=n_base / sum(row_base_times),
                     drafted=drafted,
                     accepted=accepted,
                     identical=bool(identical),
