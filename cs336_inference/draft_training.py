@@ -3,10 +3,10 @@
 Three stages, each resumable, driven by scripts/train_draft.py:
 
 1. Data. Prompts are cut from the evaluation text (CPython's pydoc_data.topics; every tenth topic
-   is held out): explain, summarize or rewrite a paragraph, comment or change a piece of its code.
-   The target answers them itself (greedy, the serving engine), so the head learns what the target
-   says, not what a corpus says (self-distillation, as Medusa-2 and EAGLE do). The documentation's
-   own text is added as plain windows.
+   is held out): explain, summarize or rewrite a paragraph, comment or change a piece of its code;
+   and general requests about everyday topics (GENERAL_TOPICS, every tenth held out), so that the
+   head drafts chat too. The target answers them itself (greedy, the serving engine), so the head
+   learns what the target says, not what a corpus says (self-distillation, as Medusa-2 and EAGLE do).
 2. Features. One teacher-forced target pass over each sequence gives, per position j, the feature
    h_j (the final norm's output) and the target's argmax y_j; they are written to disk in chunks
    (safetensors, h in float16), once.
@@ -85,6 +85,155 @@ CODE_TASKS = [
 ]
 
 
+# General requests, for a head that also drafts chat: everyday topics under a few kinds of request.
+# None is one of the speculative benchmark's chat prompts (bench/speculative.py), which stay unseen.
+GENERAL_TOPICS = [
+    "drinking enough water",
+    "learning a new language",
+    "saving money each month",
+    "growing tomatoes",
+    "the water cycle",
+    "how vaccines work",
+    "photosynthesis",
+    "the moon's phases",
+    "earthquakes",
+    "volcanoes",
+    "recycling plastic",
+    "composting at home",
+    "riding a bicycle in the city",
+    "planning a road trip",
+    "packing for a week of travel",
+    "writing a good résumé",
+    "preparing for a job interview",
+    "working from home",
+    "time management",
+    "public speaking",
+    "taking notes in class",
+    "reading more books",
+    "starting a small garden",
+    "caring for a cat",
+    "training a puppy",
+    "keeping houseplants alive",
+    "baking bread",
+    "making a simple soup",
+    "brewing coffee",
+    "cooking rice",
+    "meal planning for a week",
+    "the history of the printing press",
+    "the Roman Empire",
+    "the invention of the telephone",
+    "the first flight of the Wright brothers",
+    "how a refrigerator works",
+    "how airplanes stay in the air",
+    "how the internet works",
+    "what a computer's memory does",
+    "how batteries store energy",
+    "solar panels",
+    "wind turbines",
+    "electric cars",
+    "the seasons of the year",
+    "rainbows",
+    "thunderstorms",
+    "the ocean tides",
+    "coral reefs",
+    "honeybees",
+    "migrating birds",
+    "dinosaurs",
+    "the human heart",
+    "getting enough sleep",
+    "stretching before exercise",
+    "running a first 5 km race",
+    "learning to swim",
+    "playing chess",
+    "learning to play the guitar",
+    "painting with watercolors",
+    "taking better photos with a phone",
+    "writing a short story",
+    "keeping a journal",
+    "making friends in a new city",
+    "resolving a disagreement with a roommate",
+    "thanking a teacher",
+    "apologizing to a friend",
+    "asking for a day off",
+    "welcoming a new team member",
+    "organizing a birthday party",
+    "hosting a dinner for friends",
+    "choosing a laptop",
+    "protecting passwords",
+    "backing up files",
+    "spotting phishing emails",
+    "budgeting for groceries",
+    "paying off a credit card",
+    "opening a savings account",
+    "renting a first apartment",
+    "moving to a new home",
+    "cleaning a kitchen quickly",
+    "doing laundry",
+    "fixing a flat bicycle tire",
+    "changing a light bulb",
+    "staying warm in winter",
+    "staying cool in summer",
+    "visiting a museum",
+    "planning a picnic",
+    "camping for the first time",
+    "hiking safely",
+    "reading a map",
+    "the planets of the solar system",
+    "black holes",
+    "gravity",
+    "magnets",
+    "the speed of light",
+    "why leaves change color in autumn",
+    "how clouds form",
+    "how bread rises",
+    "how soap cleans",
+    "the immune system",
+    "washing hands",
+    "reducing screen time",
+    "meditation for beginners",
+    "staying focused while studying",
+    "preparing for an exam",
+    "writing a thank-you letter",
+    "writing a polite complaint",
+    "giving feedback to a colleague",
+    "leading a team meeting",
+    "negotiating a salary",
+    "starting a small business",
+    "selling things online",
+    "the basics of investing",
+    "the history of the bicycle",
+    "the Olympic Games",
+    "the pyramids of Egypt",
+    "the Great Wall of China",
+    "learning to cook as a student",
+    "choosing a pet",
+    "volunteering in the community",
+    "reducing food waste",
+    "saving electricity at home",
+    "walking more every day",
+]
+GENERAL_TASKS = [
+    "Explain {} in simple terms.",
+    "Give three tips about {}. Answer briefly.",
+    "Write a short message to a friend about {}.",
+    "Why does {} matter? Answer in two sentences.",
+    "Describe {} to a ten-year-old.",
+    "What should a beginner know about {}?",
+]
+
+
+def general_prompts(seed: int = 0, held_out_every: int = 10) -> tuple[list[str], list[str]]:
+    """(training, held-out) general requests: every task for each topic, every tenth topic held out,
+    each list shuffled."""
+    rng = random.Random(seed)
+    split: tuple[list[str], list[str]] = ([], [])
+    for i, topic in enumerate(GENERAL_TOPICS):
+        split[i % held_out_every == held_out_every - 1].extend(task.format(topic) for task in GENERAL_TASKS)
+    for prompts in split:
+        rng.shuffle(prompts)
+    return split
+
+
 def draft_prompts(texts: list[str], seed: int = 0, tasks: int = 1) -> list[str]:
     """Chat requests built from the topics' paragraphs and code examples: one task drawn for each
     (the list shuffled), then, with tasks > 1, tasks - 1 other tasks for each (shuffled, after)."""
@@ -132,12 +281,6 @@ def answer_prompts(
         done = sum(len(s) for s in out)
         log(f"  answered {len(out)}/{len(ids)} prompts ({done} tokens, {time.perf_counter() - began:.0f} s)")
     return out
-
-
-def text_windows(tokenizer, texts: list[str], T: int = 256) -> list[list[int]]:
-    """The documentation itself, as windows of T tokens."""
-    ids = tokenizer.encode("\n\n".join(texts), add_special_tokens=False)
-    return [ids[i : i + T] for i in range(0, len(ids) - T + 1, T)]
 
 
 # ------------------------------------------------------------------ 2. features, on disk

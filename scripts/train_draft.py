@@ -4,8 +4,8 @@
     python scripts/train_draft.py --prompts 64 --steps 50 --out /tmp/head   # a quick trial
 
 1. chat prompts cut from CPython's pydoc topics (every 10th topic held out; --tasks tasks for each
-   paragraph or code example), answered by the target itself, greedy, on the serving engine
-   (work/answers-N.json, N the answer length cap);
+   paragraph or code example) and general requests about everyday topics (--general), answered by
+   the target itself, greedy, on the serving engine (work/answers-N.json, N the answer length cap);
 2. the target's features and argmax over prompts and answers, in chunks (work/features/);
 3. the head trained on the answers (checkpoints in work/checkpoint/, resumed if there); the held-out
    acceptance on the held-out topics' answers is printed at every evaluation.
@@ -43,6 +43,13 @@ def parse_args(argv):
         "--tasks", type=int, default=2, help="tasks per paragraph or code example (prompts: 902 each)"
     )
     p.add_argument("--held-prompts", type=int, default=96, help="held-out prompts to answer")
+    p.add_argument(
+        "--general",
+        type=int,
+        default=666,
+        help="general requests about everyday topics to add to the training prompts (0: none; 666: all)",
+    )
+    p.add_argument("--held-general", type=int, default=24, help="held-out general requests to add")
     p.add_argument("--max-new-tokens", type=int, default=128, help="answer length cap")
     p.add_argument(
         "--vocab", type=int, default=8192, help="draft vocabulary: the most frequent tokens (0: all)"
@@ -87,6 +94,9 @@ def main(argv=None) -> int:
     held_prompts = dt.draft_prompts(held_texts, args.seed)[: args.held_prompts]
     if args.prompts:
         train_prompts = train_prompts[: args.prompts]
+    general, held_general = dt.general_prompts(args.seed)
+    train_prompts += general[: args.general]
+    held_prompts += held_general[: args.held_general]
     log(f"1. answers: {len(train_prompts)} training and {len(held_prompts)} held-out prompts, "
         f"up to {args.max_new_tokens} tokens each")  # fmt: skip
     cache_file = work / f"answers-{args.max_new_tokens}.json"  # prompt -> prompt + answer ids

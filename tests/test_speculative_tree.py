@@ -518,6 +518,49 @@ def test_head_with_prompt_lookup_greedy_equals_generate():
     assert stats.accepted > 0, "a repetitive prompt should let prompt lookup's drafts be accepted"
 
 
+def test_head_auto_copying_has_its_own_choice():
+    """With adaptive depth and lookup, the rounds that draft lookup's tokens are chosen and recorded
+    by the copying chooser, the head's trees by the head's: output still equals generate."""
+    from tests.test_speculative import repetitive_prompt
+
+    target = tiny_model("gqa")
+    head = DraftHead(target.config).attach(target).eval()
+    ids = repetitive_prompt(30, 3)
+    drafter = HeadDraft(head, SMALL_TREE, adaptive=True, lookup=True)
+    got, stats = tree_generate(target, drafter, ids, 40, return_stats=True, stop_token_ids=[])
+    check_tokens("head-auto on a repetitive prompt", got, generate(target, ids, 40, stop_token_ids=[]))
+    copying, trees = drafter.copying, drafter.adaptive
+    assert copying.seen[1] and copying.seconds[0] is not None, (
+        "lookup's chains were not recorded as copying's"
+    )
+    chains = sum(copying.accepted[1:]) + sum(copying.reached[1:])
+    assert stats.accepted > 0 and chains > 0, "a repetitive prompt should let lookup's drafts be accepted"
+    assert trees.rounds < stats.target_passes, (
+        f"the head's chooser was asked in {trees.rounds} of {stats.target_passes} rounds: lookup's rounds too"
+    )
+
+
+def test_general_prompts_split_by_topic():
+    from cs336_inference import draft_training as dt
+    from cs336_inference.bench.speculative import CHAT_PROMPTS
+
+    train, held = dt.general_prompts()
+    assert (train, held) == dt.general_prompts(), "the prompts should not depend on anything but the seed"
+    n = len(dt.GENERAL_TASKS)
+    assert len(held) == n * (len(dt.GENERAL_TOPICS) // 10) and len(train) + len(held) == n * len(
+        dt.GENERAL_TOPICS
+    )
+    for i, topic in enumerate(dt.GENERAL_TOPICS):
+        side = held if i % 10 == 9 else train
+        assert all(t.format(topic) in side for t in dt.GENERAL_TASKS), f"topic {topic!r} split across sides"
+    words = {w.strip(".,?").lower() for p in CHAT_PROMPTS for w in p.split()}
+    for distinctive in ("sky", "lunch", "tuple", "healthy"):
+        assert distinctive in words  # the benchmark's chat prompts stay unseen in training
+        assert not any(distinctive in p.lower() for p in train + held), (
+            f"{distinctive!r} is in a training prompt"
+        )
+
+
 def test_answer_masks_count_only_answer_predictions():
     """With an answer mask, a training window is a sequence's tail and only the labels that predict an
     answer token count (the prompt before the answer is context only)."""
