@@ -341,13 +341,14 @@ class AdaptiveDepth:
         d            argmax E[d] / t[d]
 
     A depth above 0 is chosen only when its rate beats plain decoding's by `margin` (measured times
-    are noisy, and a draft that barely pays is not worth the risk). The first round is plain decoding,
-    to time it. After that, every `explore` rounds a depth beside the best is tried, so
+    are noisy, and a draft that barely pays is not worth the risk). The first round is plain
+    decoding, to time it. After that, every `explore` rounds a depth beside the best is tried, so
     that the figures of the depths around it stay current (a depth never run keeps its old time):
     one above after a change, else below and above in turns. While explorations change nothing,
-    each waits twice as long as the one before (up to 8 x `explore` rounds): on text the head cannot
-    follow, every exploration is a lost pass. The times leave out building a pass of a new size
-    (`_tree_rounds` has the target prepare it first), which would make a depth tried once look slow.
+    each waits twice as long as the one before (up to 8 x `explore` rounds): on text the head
+    cannot follow, every exploration is a lost pass. The times leave out building a pass of a new
+    size (`_tree_rounds` has the target prepare it first), which would make a depth tried once look
+    slow.
     """
 
     def __init__(self, shape: TreeShape, explore: int = 16, decay: float = 0.95, margin: float = 0.05):
@@ -457,7 +458,8 @@ def tree_stream(
     reset(capacity, spare) and propose_tree(context, params, generator, budget) -> DraftTree of depth
     <= budget (`ModelTreeDraft`, draft_head.HeadDraft); if it reads the target's features it has
     `reads_features = True` and `observe(h)`, given the features of every position the target's cache
-    gains. steps: a fast-path object giving the target's tree passes (optional).
+    gains, and may have `catch_up(context)`, called once after the prompt's prefill. steps: a
+    fast-path object giving the target's tree passes (optional).
     """
     params = sampling_params(params, max_new_tokens=max_new_tokens, **settings)
     ids = _check_args(target, draft, prompt_ids, int(params.max_new_tokens), draft.max_nodes)
