@@ -228,6 +228,7 @@ class HeadDraft:
         self.adaptive = AdaptiveDepth(self.shape) if adaptive else None
         # with both, copying has a choice of its own: how many of the tokens lookup found to draft
         self.copying = AdaptiveDepth(TreeShape.chain(self.shape.depth)) if adaptive and lookup else None
+        self.choosers = [c for c in (self.adaptive, self.copying) if c is not None]
         self.drafter = None
         self.model = None  # not a TransformerLM draft (speculative._check_args)
 
@@ -239,9 +240,8 @@ class HeadDraft:
         self.known = 0  # features of positions 0 .. known - 1 are in self.feats
         self.fed = 0  # the head's cache holds positions 1 .. fed (position j at step j - 1)
         self.last_g: Tensor | None = None  # the head's output at position fed
-        for adaptive in (self.adaptive, self.copying):
-            if adaptive is not None:
-                adaptive.reset()
+        for chooser in self.choosers:
+            chooser.reset()
 
     def observe(self, h: Float[Tensor, "n D"]) -> None:
         self.feats[self.known : self.known + len(h)] = h.to(self.feats.dtype)
@@ -251,8 +251,8 @@ class HeadDraft:
         """A round's outcome to the adaptive choice that made it; a round of plain decoding to both
         (each compares its depths with plain decoding's time)."""
         if len(tree) == 1:
-            for adaptive in {self.adaptive, self.copying} - {None}:
-                adaptive.record(tree, path, draft_s, verify_s)
+            for chooser in self.choosers:
+                chooser.record(tree, path, draft_s, verify_s)
         elif self.drafter is not None:
             self.drafter.record(tree, path, draft_s, verify_s)
 

@@ -35,7 +35,7 @@ from torch import Tensor
 from .attention import ForwardContext
 from .kv_cache import KVCache, StaticKVCache
 from .model import TransformerLM
-from .sampling import SamplingParams, sampling_params
+from .sampling import SamplingParams, sample_next_token, sampling_params
 from .speculative import SpeculativeStats, _check_args, round_generator, sampling_probs
 
 
@@ -490,11 +490,7 @@ def _tree_rounds(target, draft, ids, params: SamplingParams, stats, steps) -> It
         draft.observe(h)
     else:
         logits = target(ids[None], cache=cache, last_only=True)[0]
-    if params.temperature == 0.0:
-        first = logits[-1].float().argmax(-1, keepdim=True)
-    else:
-        q = sampling_probs(logits[-1], params.temperature, params.top_k, params.top_p)
-        first = torch.multinomial(q, 1, generator=generator)
+    first = sample_next_token(logits[-1:], params.temperature, params.top_k, params.top_p, generator)
     context = torch.empty(capacity, dtype=torch.long, device=device)
     context[:P] = ids
     context[P] = first
