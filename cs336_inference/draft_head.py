@@ -209,28 +209,49 @@ class HeadDraft:
     adaptive: each round the depth of the tree is chosen by `speculative_tree.AdaptiveDepth` from the
     measured acceptance per depth and the measured cost of drafting and verifying each depth;
     depth 0 (no drafts: a plain decode step) is among the choices.
-    lookup: prompt lookup first (speculative.prompt_lookup, n = 3 down to 2): where the context's
+    lookup: prompt lookup first (speculative.prompt_lookup, n = 3 down to 1): where the context's
     tail occurred before, the round drafts the tokens that followed it as a chain with one-hot p
     instead of the head's tree (a copy runs long, and a chain's verify pass is cheaper than a
-    tree's): up to the shape's depth of them, or with `adaptive` as many as a second AdaptiveDepth
-    over chains chooses (its own acceptance and costs: copying and the head succeed on different
-    text; 0 leaves the round to the head).
+    tree's): up to copy_depth of them (default: the shape's depth), or with `adaptive` as many as a
+    second AdaptiveDepth over chains chooses (its own acceptance and costs: copying and the head
+    succeed on different text; 0 leaves the round to the head).
+    `HeadDraft.auto(head)` is what `generate.py --draft head` runs.
     """
 
     reads_features = True
 
-    def __init__(self, head: DraftHead, shape=4, adaptive: bool = False, lookup: bool = False):
+    def __init__(
+        self,
+        head: DraftHead,
+        shape=4,
+        adaptive: bool = False,
+        lookup: bool = False,
+        copy_depth: int | None = None,
+    ):
         from .speculative_tree import AdaptiveDepth, TreeShape, as_shape
 
         self.head, self.shape, self.lookup = head, as_shape(shape), lookup
-        self.max_depth = self.shape.depth
-        self.max_nodes = len(self.shape) + (self.shape.depth if lookup else 0)
+        self.copy_depth = self.shape.depth if copy_depth is None or not lookup else copy_depth
+        if self.copy_depth < 1:
+            raise ValueError(f"copy_depth must be >= 1, got {copy_depth}")
+        self.max_depth = max(self.shape.depth, self.copy_depth)
+        self.max_nodes = len(self.shape) + (self.copy_depth if lookup else 0)
         self.adaptive = AdaptiveDepth(self.shape) if adaptive else None
         # with both, copying has a choice of its own: how many of the tokens lookup found to draft
-        self.copying = AdaptiveDepth(TreeShape.chain(self.shape.depth)) if adaptive and lookup else None
+        self.copying = AdaptiveDepth(TreeShape.chain(self.copy_depth)) if adaptive and lookup else None
         self.choosers = [c for c in (self.adaptive, self.copying) if c is not None]
         self.drafter = None
         self.model = None  # not a TransformerLM draft (speculative._check_args)
+
+    @classmethod
+    def auto(cls, head: DraftHead) -> HeadDraft:
+        """The CLI's drafting: DEFAULT_TREE with adaptive depth, prompt lookup first, copies of up to
+        8 tokens (on the speculative benchmark's rewriting and code-editing prompts, 8 and n down to
+        1 gave 2.47 and 2.32 tokens per pass against 2.03 and 1.91 with the tree's depth and n down
+        to 2: docs/speculative.md)."""
+        from .speculative_tree import DEFAULT_TREE
+
+        return cls(head, DEFAULT_TREE, adaptive=True, lookup=True, copy_depth=8)
 
     def reset(self, capacity: int, spare: int) -> None:
         head = self.head
@@ -270,17 +291,18 @@ class HeadDraft:
         from .speculative_tree import DraftTree
 
         n, head, device = len(context), self.head, context.device
-        limit = self.shape.depth if budget is None else min(budget, self.shape.depth)
+        budget = self.max_depth if budget is None else budget
+        limit = min(budget, self.shape.depth)
         if self.known != n - 1:
             raise ValueError(f"the head has the features of {self.known} positions, expected {n - 1}")
         root = DraftTree(context[-1:], torch.tensor([-1], device=device))
         self.drafter = None  # which choice this round's drafts came from (record)
-        if limit == 0 or n < 2:
+        if budget <= 0 or n < 2:
             return root
         if self.lookup:
             from .speculative import prompt_lookup
 
-            found = prompt_lookup(context.tolist(), limit, 3, 2)
+            found = prompt_lookup(context.tolist(), min(budget, self.copy_depth), 3, 1)
             if found and self.copying is not None:
                 found = found[: self.copying.choose()]
                 self.drafter = self.copying

@@ -219,6 +219,12 @@ GENERAL_TASKS = [
     "Why does {} matter? Answer in two sentences.",
     "Describe {} to a ten-year-old.",
     "What should a beginner know about {}?",
+    "Write a short paragraph about {}.",
+    "What mistakes do people often make with {}?",
+    "Summarize the key facts about {} in a few sentences.",
+    "Write a short email to a coworker about {}.",
+    "How would you explain {} to a friend who has never heard of it?",
+    "List the first steps of getting started with {}.",
 ]
 
 

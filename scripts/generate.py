@@ -301,7 +301,6 @@ def run(args: argparse.Namespace) -> int:
         draft = "ngram"
     elif args.draft == "head":
         from cs336_inference.draft_head import DEFAULT_HEAD_DIR, HeadDraft, load_draft_head
-        from cs336_inference.speculative_tree import DEFAULT_TREE
 
         try:
             head = load_draft_head(args.draft_head or DEFAULT_HEAD_DIR, model)
@@ -309,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--draft head: {e}") from None
         if not args.eager:
             install(head.quantize("q8_0"))  # its products through the kernels: drafts only
-        draft = HeadDraft(head, DEFAULT_TREE, adaptive=True, lookup=True)
+        draft = HeadDraft.auto(head)
     elif args.draft in SELF_DRAFTS:
         from cs336_inference.quantization import quantize_model
 

@@ -518,6 +518,26 @@ def test_head_with_prompt_lookup_greedy_equals_generate():
     assert stats.accepted > 0, "a repetitive prompt should let prompt lookup's drafts be accepted"
 
 
+def test_head_copy_chains_go_deeper_than_the_tree():
+    """copy_depth: prompt lookup's chains may be longer than the head's tree is deep; output still
+    equals generate, and the cache has room for the longest chain."""
+    from tests.test_speculative import repetitive_prompt
+
+    target = tiny_model("gqa")
+    head = DraftHead(target.config).attach(target).eval()
+    ids = repetitive_prompt(30, 3)
+    drafter = HeadDraft(head, SMALL_TREE, lookup=True, copy_depth=7)
+    assert drafter.max_depth == 7 and drafter.max_nodes >= 8
+    got, stats = tree_generate(target, drafter, ids, 40, return_stats=True, stop_token_ids=[])
+    check_tokens("head, lookup chains of up to 7", got, generate(target, ids, 40, stop_token_ids=[]))
+    depth = st.as_shape(SMALL_TREE).depth
+    assert max(stats.round_drafts) > depth, (
+        f"no round drafted more than the tree's depth {depth}: {stats.round_drafts}"
+    )
+    with pytest.raises(ValueError, match="copy_depth"):
+        HeadDraft(head, SMALL_TREE, lookup=True, copy_depth=0)
+
+
 def test_head_auto_copying_has_its_own_choice():
     """With adaptive depth and lookup, the rounds that draft lookup's tokens are chosen and recorded
     by the copying chooser, the head's trees by the head's: output still equals generate."""
