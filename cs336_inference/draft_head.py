@@ -246,9 +246,8 @@ class HeadDraft:
     @classmethod
     def auto(cls, head: DraftHead) -> HeadDraft:
         """The CLI's drafting: DEFAULT_TREE with adaptive depth, prompt lookup first, copies of up to
-        8 tokens (on the speculative benchmark's rewriting and code-editing prompts, 8 and n down to
-        1 gave 2.47 and 2.32 tokens per pass against 2.03 and 1.91 with the tree's depth and n down
-        to 2: docs/speculative.md)."""
+        8 tokens (a copy often runs longer than the head's drafts are worth; the copying chooser
+        takes fewer where they are rejected). `benchmark.py speculative --drafts head-auto` measures it."""
         from .speculative_tree import DEFAULT_TREE
 
         return cls(head, DEFAULT_TREE, adaptive=True, lookup=True, copy_depth=8)
