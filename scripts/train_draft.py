@@ -46,8 +46,7 @@ def parse_args(argv):
     p.add_argument(
         "--general",
         type=int,
-        default=1332,
-        help="general requests about everyday topics to add to the training prompts (0: none; 1332: all)",
+        help="general requests about everyday topics to add to the training prompts (default: all; 0: none)",
     )
     p.add_argument("--held-general", type=int, default=24, help="held-out general requests to add")
     p.add_argument("--max-new-tokens", type=int, default=128, help="answer length cap")

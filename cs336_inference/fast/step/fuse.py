@@ -153,9 +153,8 @@ def fuse_siblings(model: nn.Module) -> int:
     made = 0
     for module in model.modules():
         for names in GROUPS:
-            layers = [
-                module._modules.get(name) for name in names
-            ]  # getattr would raise and catch on most modules
+            # nn.Module's own dictionary: getattr would raise and catch on most modules
+            layers = [module._modules.get(name) for name in names]
             if any(layer is None or hasattr(layer, "siblings") for layer in layers) or not _same_kind(layers):
                 continue
             group = Siblings(layers)
