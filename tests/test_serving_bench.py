@@ -86,6 +86,28 @@ def test_the_http_workload_is_text_of_the_asked_lengths():
         assert 2 <= r["max_tokens"] <= 20
 
 
+def test_every_rate_of_the_http_benchmark_has_prompts_of_its_own():
+    """A server runs every rate in one process: a prompt seen at an earlier rate (or in the warm-up)
+    would be answered from its KV cache, so only the system prompt may repeat."""
+    from cs336_inference.io.checkpoint import default_model_path
+    from cs336_inference.io.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_path())
+    shape = dict(prompt_median=40, output_median=10, max_prompt=80, max_output=20, system_prompt_len=16, shared_fraction=0.5)  # fmt: skip
+    workloads, warm_up = http.rate_workloads(tok, [0.5, 1.0, 2.0], 12, seed=0, shape=shape)
+    system = tok.decode(http.documentation_tokens(tok)[:16])
+    seen: dict[str, str] = {}
+    for name, reqs in [*((f"rate {rate}", reqs) for rate, reqs in workloads.items()), ("warm-up", warm_up)]:
+        for r in reqs:
+            own = r["prompt"].removeprefix(system) if r["shared"] else r["prompt"]
+            head = own[:24]
+            assert head not in seen, f"a prompt of {name} starts as one of {seen.get(head)}: {head!r}"
+            seen[head] = name
+    lengths = {rate: [(r["max_tokens"], r["shared"]) for r in reqs] for rate, reqs in workloads.items()}
+    assert lengths[0.5] == lengths[1.0] == lengths[2.0], "every rate has the same shape of requests"
+    assert [2 * r["arrival"] for r in workloads[1.0]] == pytest.approx([r["arrival"] for r in workloads[0.5]])
+
+
 def test_the_http_summary_counts_tokens_latencies_and_short_replies():
     records = [
         dict(sent=0.0, first=0.5, end=2.5, tokens=5, max_tokens=5, error=None),

@@ -5,10 +5,14 @@ the server runs in its own process, a client in another process (bench/http_clie
 official `openai` client) sends streamed completions at Poisson arrival times, and every time is
 taken on the client's clock.
 
-The workload (seeded, the same at every rate): prompt and output lengths log-normal (a long right
-tail: bench/serving.py's `make_workload`), prompts cut from CPython's reference documentation
-(pydoc_data.topics) at those lengths in SmolLM2's tokens, a share of them behind one common system
-prompt. Every reply runs to its max_tokens (our server: "ignore_eos"; llama.cpp's: a -100 bias on
+The workload (seeded): prompt and output lengths log-normal (a long right tail: bench/serving.py's
+`make_workload`), prompts cut from CPython's reference documentation (pydoc_data.topics) at those
+lengths in SmolLM2's tokens, a share of them behind one common system prompt. Every rate has the
+same lengths and order of requests, with its prompts cut from other places of the documentation
+(`rate_workloads`): a server runs every rate in one process, and both ours (prefix caching) and
+llama-server (its slots keep their last prompt) would otherwise answer a later rate's prompts from
+the KV cache that an earlier rate left, measuring their caches instead of their prefill. Only the
+system prompt is shared, within a rate and across rates. Every reply runs to its max_tokens (our server: "ignore_eos"; llama.cpp's: a -100 bias on
 the EOS ids), so every system does the same work.
 
 Systems, each started and stopped by the benchmark on a free port:
@@ -59,11 +63,14 @@ def documentation_tokens(tokenizer, n: int = 200_000) -> list[int]:
     return tokenizer.encode(text[:n], add_special_tokens=False)
 
 
-def text_workload(tokenizer, num_requests: int, rate: float, seed: int, shape: dict) -> list[dict]:
-    """Requests {arrival, prompt (text), max_tokens, shared} (module docstring)."""
+def text_workload(
+    tokenizer, num_requests: int, rate: float, seed: int, shape: dict, text_seed: int | None = None
+) -> list[dict]:
+    """Requests {arrival, prompt (text), max_tokens, shared} (module docstring): lengths and arrivals
+    from seed, where the prompts are cut from the documentation from text_seed (default seed + 1)."""
     shaped = make_workload(num_requests, rate, tokenizer.vocab_size, seed, **shape)
     doc = documentation_tokens(tokenizer)
-    rng = np.random.default_rng(seed + 1)
+    rng = np.random.default_rng(seed + 1 if text_seed is None else text_seed)
     system_len = shape.get("system_prompt_len", 0)
     system = tokenizer.decode(doc[:system_len]) if system_len else ""
     out = []
@@ -80,6 +87,19 @@ def text_workload(tokenizer, num_requests: int, rate: float, seed: int, shape: d
             )  # fmt: skip
         )
     return out
+
+
+def rate_workloads(
+    tokenizer, rates: list[float], num_requests: int, seed: int, shape: dict
+) -> tuple[dict[float, list[dict]], list[dict]]:
+    """The requests of every rate (the same lengths and arrival pattern, each rate's text cut from other
+    places: module docstring) and two warm-up requests with text of their own."""
+    workloads = {
+        rate: text_workload(tokenizer, num_requests, rate, seed, shape, text_seed=seed + 1 + i)
+        for i, rate in enumerate(rates)
+    }
+    warm_up = text_workload(tokenizer, 2, rates[0], seed, shape, text_seed=seed + 1 + len(rates))
+    return workloads, warm_up
 
 
 def free_port() -> int:
@@ -185,7 +205,8 @@ def http_benchmark(
     ready_timeout_s: float = 600.0,
 ) -> dict:
     """Every system at every rate (module docstring); {"runs": [...], "workload": {...}}."""
-    runs, workloads = [], {rate: text_workload(tokenizer, num_requests, rate, seed, shape) for rate in rates}
+    runs = []
+    workloads, warm_up = rate_workloads(tokenizer, rates, num_requests, seed, shape)
     first = workloads[rates[0]]
     extra = {
         "llama.cpp": {"logit_bias": {str(i): -100.0 for i in eos_ids}},
@@ -202,7 +223,7 @@ def http_benchmark(
             proc = subprocess.Popen(cmd, stdout=quiet, stderr=quiet, env=env)
         try:
             wait_ready(port, proc, ready_timeout_s, log)
-            run_client(port, extra[system], first[:2])  # warm-up: kernels built, plans made, caches touched
+            run_client(port, extra[system], warm_up)  # kernels built, plans made, memory touched
             for rate in rates:
                 log(f"  {system}: {num_requests} requests at {rate:g}/s")
                 summary = summarize(run_client(port, extra[system], workloads[rate]))
