@@ -681,6 +681,9 @@ def test_benchmark_library_on_tiny_models():
     assert spec_bench.expected_tokens_per_pass_drafted(0.5, [0, 2]) == pytest.approx((1 + 1.75) / 2)
     for r in rows:  # rounds drafting fewer than k tokens can only lower the formula
         assert r["predicted_tokens_per_pass_drafted"] <= r["predicted_tokens_per_pass"] + 1e-9, r
+    for r in rows:  # the same prefill out of both times: further from 1x, on the same side
+        d, s = r["decode_speedup"], r["speedup"]
+        assert d is not None and (d - 1) * (s - 1) >= 0 and abs(d - 1) >= abs(s - 1) - 1e-9, r
     table = spec_bench.format_speculative_table(rows)
     assert table.count("\n") == len(rows) + 1 and "| repeat | ngram | 3 |" in table
 
