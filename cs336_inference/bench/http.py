@@ -12,8 +12,8 @@ same lengths and order of requests, with its prompts cut from other places of th
 (`rate_workloads`): a server runs every rate in one process, and both ours (prefix caching) and
 llama-server (its slots keep their last prompt) would otherwise answer a later rate's prompts from
 the KV cache that an earlier rate left, measuring their caches instead of their prefill. Only the
-system prompt is shared, within a rate and across rates. Every reply runs to its max_tokens (our server: "ignore_eos"; llama.cpp's: a -100 bias on
-the EOS ids), so every system does the same work.
+system prompt is shared, within a rate and across rates. Every reply runs to its max_tokens (our
+server: "ignore_eos"; llama.cpp's: a -100 bias on the EOS ids), so every system does the same work.
 
 Systems, each started and stopped by the benchmark on a free port:
     continuous   scripts/serve.py: LLMEngine on the fast path (continuous batching, paged KV cache,

@@ -20,8 +20,9 @@ speculative decoding and plain `generate` on the same prompts in the same proces
                      speed of both alike
     decode speedup   the same with the prompts' prefill taken out of both times (the eager prefill of
                      each prompt, timed alone: `prefill_seconds`). Speculation does not touch the
-                     prefill, which at 64 new tokens is a fifth of a chat reply's time on the CPU; this
-                     is the measured figure to set beside the predicted one, which counts rounds only
+                     prefill, a tenth to a fifth of the time of 64 new tokens for the benchmark's
+                     prompts on a CPU; this is the measured figure to set beside the predicted one,
+                     which counts rounds only
     identical        greedy speculative output == greedy generate output, every prompt
 
 Times are wall clock on whatever device the models are on (CUDA events on a GPU).
