@@ -17,6 +17,9 @@ problem's tests run, so an edit that changes nothing but the bodies of its own p
 run, where it passed. Those are skipped; every graded test from there on runs, whatever its problem,
 since the wrong code may leave state behind (a shared fixture, a cache, the RNG). An edit anywhere else
 (module-level code, a signature, a helper, another problem's function) runs every graded test.
+The grading plugin runs the graded tests marked `costly` first (the reference run and the children
+alike, as `scripts/grade.py` does), so a confined entry of another problem skips them: the sampled
+tree-verification tests, which take seconds, run only for their own problem's entries.
 """
 
 from __future__ import annotations

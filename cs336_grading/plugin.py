@@ -7,6 +7,9 @@
 - `--collect-graded FILE`: writes the collected graded cases (nodeid, problem, points), for the rubric;
 - `--problem NAME` (repeatable): runs only that problem's graded tests (`pytest --problem rope`);
 - `--trace-needs FILE`: records which problems' functions each graded test calls (for the rubric);
+- graded tests marked `costly(seconds=...)` (seconds each, where the rest take milliseconds) run first,
+  the longest first, in every run: the wrong-solution catalog grades in this order and skips every test
+  before an entry's own problem (cs336_grading/catalog.py), so they run only for their own entries;
 - `--graded-timeout SECONDS`: a graded test still running after that long is stopped and counts as
   failed ("timeout"), so an infinite loop costs its own problem's points and the rest is still graded.
   (A SIGALRM in the test's thread: Python code is stopped at once, a long C call when it returns.)
@@ -73,6 +76,17 @@ def pytest_addoption(parser):
     )
 
 
+def _cost_rank(item) -> float:
+    """Sort key: minus the seconds of a test marked costly(seconds=...), 0 for any other test."""
+    marker = item.get_closest_marker("costly")
+    if marker is None:
+        return 0.0
+    seconds = marker.kwargs.get("seconds")
+    if marker.args or set(marker.kwargs) != {"seconds"} or not isinstance(seconds, int | float):
+        raise pytest.UsageError(f"{item.nodeid}: write the marker as @pytest.mark.costly(seconds=...)")
+    return -float(seconds)
+
+
 def graded_marker(item) -> tuple[str, float] | None:
     """(problem, points) of a graded test; pytest.UsageError for a malformed marker."""
     marker = item.get_closest_marker("graded")
@@ -116,6 +130,7 @@ class GradingPlugin:
             chosen = [item for item in items if (graded_marker(item) or ("",))[0] in keep]
             config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
             items[:] = chosen
+        items.sort(key=_cost_rank)  # stable: the costly ones first, the longest first
         collected = []
         for index, item in enumerate(items):
             graded = graded_marker(item)

@@ -45,6 +45,7 @@ DTYPES = [(torch.bfloat16, 2), (torch.float32, 4), (torch.float64, 8)]
 
 
 @pytest.mark.graded(problem="matmul_accounting", points=2)
+@pytest.mark.costly(seconds=1)
 def test_matmul_flops_and_bytes_match_torch():
     for B, D, F in MATMUL_SHAPES:
         for dtype, size in DTYPES:
@@ -273,6 +274,7 @@ def test_mla_576_dims_per_token_vs_mha_8192():
 
 
 @pytest.mark.graded(problem="kv_cache_bytes", points=2)
+@pytest.mark.costly(seconds=1.5)
 def test_kv_cache_bytes_equal_hugging_face_cache_sizes():
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -162,6 +162,37 @@ def test_bad_graded_markers_are_usage_errors(marker, message):
         plugin.graded_marker(FakeItem(marker))
 
 
+class FakeConfig:
+    rootpath = REPO
+
+    def getoption(self, name):
+        return None  # no --problem, --submission, --collect-graded, ...
+
+
+def test_costly_graded_tests_run_first_the_longest_first():
+    names = ["cheap", "one_second", "also_cheap", "three_seconds", "two_seconds"]
+    marks = [
+        [],
+        [pytest.mark.costly(seconds=1)],
+        [],
+        [pytest.mark.costly(seconds=3)],
+        [pytest.mark.costly(seconds=2)],
+    ]
+    items = []
+    for name, extra in zip(names, marks, strict=True):
+        item = FakeItem(pytest.mark.graded(problem="rope", points=1), *extra)
+        item.nodeid, item.user_properties = f"tests/test_x.py::{name}", []
+        items.append(item)
+    config = FakeConfig()
+    plugin.GradingPlugin(config).pytest_collection_modifyitems(config, items)
+    order = [item.nodeid.split("::")[1] for item in items]
+    assert order == ["three_seconds", "two_seconds", "one_second", "cheap", "also_cheap"], order
+    assert [dict(item.user_properties)["graded"][2] for item in items] == [0, 1, 2, 3, 4]  # numbered in it
+    for bad in (pytest.mark.costly, pytest.mark.costly(2), pytest.mark.costly(seconds="2")):
+        with pytest.raises(pytest.UsageError, match="write the marker as @pytest.mark.costly"):
+            plugin.GradingPlugin(config).pytest_collection_modifyitems(config, [FakeItem(bad)])
+
+
 def test_conftest_skips_cuda_tests_exactly_without_a_gpu():
     import torch
 

@@ -145,6 +145,7 @@ CASES = {
 
 
 @pytest.mark.graded(problem="tree_verify", points=3)
+@pytest.mark.costly(seconds=2)
 @pytest.mark.parametrize("case", list(CASES))
 def test_accept_tree_sampled_follows_target(case):
     q, p, m = CASES[case]
