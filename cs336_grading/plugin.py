@@ -8,8 +8,8 @@
 - `--problem NAME` (repeatable): runs only that problem's graded tests (`pytest --problem rope`);
 - `--trace-needs FILE`: records which problems' functions each graded test calls (for the rubric);
 - graded tests marked `costly(seconds=...)` (seconds each, where the rest take milliseconds) run first,
-  the longest first, in every run: the wrong-solution catalog grades in this order and skips every test
-  before an entry's own problem (cs336_grading/catalog.py), so they run only for their own entries;
+  the longest first, in every run: the staff's wrong-solution catalog grades in this order and skips
+  every test before an entry's own problem, so they run only for their own entries;
 - `--graded-timeout SECONDS`: a graded test still running after that long is stopped and counts as
   failed ("timeout"), so an infinite loop costs its own problem's points and the rest is still graded.
   (A SIGALRM in the test's thread: Python code is stopped at once, a long C call when it returns.)
