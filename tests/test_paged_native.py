@@ -31,6 +31,10 @@ VARIANTS = {
     "hybrid": dict(n_kv_heads=2, sliding_window=5, n_layers=3, layer_types=[SLIDING, FULL, SLIDING]),
     "qkv_bias": dict(n_kv_heads=2, qkv_bias=True),
     "wide_group": dict(n_heads=12, n_kv_heads=1, head_dim=8),  # 12 query heads per K/V head: groups of <= 8
+    # the head sizes step.c's paged attention compiles for (SmolLM2: 64-wide heads in groups of 3)
+    "groups_of_3_h64": dict(n_heads=6, n_kv_heads=2, head_dim=64),
+    "groups_of_4_h64": dict(n_heads=8, n_kv_heads=2, head_dim=64),
+    "groups_of_4_h128": dict(n_heads=4, n_kv_heads=1, head_dim=128),
 }
 
 
@@ -191,6 +195,41 @@ def test_a_request_gets_the_same_bits_alone_and_beside_others():
     for t, (a, b) in enumerate(zip(alone, together, strict=True)):
         assert torch.equal(a, b), (
             f"output token {t}: max |diff| {float((a - b).abs().max()):.2e} beside others"
+        )
+
+
+@pytest.mark.parametrize(
+    "variant", ["gqa", "wide_group", "groups_of_3_h64", "groups_of_4_h64", "groups_of_4_h128"]
+)
+def test_paged_native_layers_give_the_bits_of_the_static_native_layers(variant):
+    """paged == contiguous, bitwise: the decoder layers over scattered blocks (cs336_layers_paged)
+    and over a static [B, K, S, H] cache (cs336_layers) on the same rows, a prompt of 6 then 3 decode
+    steps. Attention visits each head's keys in step order with the same reduction in both."""
+    from cs336_inference.fast.step.fuse import fuse_siblings
+    from cs336_inference.fast.step.native import NativeLayers
+    from cs336_inference.fast.step.paged import PagedLayers
+    from cs336_inference.kv_cache import KVCache, StaticKVCache
+
+    model = install(tiny(variant))
+    fuse_siblings(model)  # stacked q/k/v and gate/up, as both native steps run them
+    cfg = model.config
+    K, H = cfg.n_kv_heads, cfg.head_dim
+    static = KVCache([StaticKVCache(1, K, 16, H, H, torch.float32, "cpu") for _ in range(cfg.n_layers)], 16)
+    paged = PagedKVCache(cfg, 8, 4, torch.float32, "cpu")
+    table = torch.tensor([[5, 2, 7, 1]])  # steps 0..15 in blocks 5, 2, 7, 1 of 4 slots
+    native, over_blocks = NativeLayers(model, static), PagedLayers(model, paged)
+    g = torch.Generator().manual_seed(0)
+    for start, n in ((0, 6), (6, 1), (7, 1), (8, 1)):
+        x = torch.randn(n, cfg.d_model, generator=g)
+        steps = torch.arange(start, start + n)
+        cos, sin = model.rope_cos[steps], model.rope_sin[steps]
+        want = native(x.clone()[None], cos[None], sin[None], steps, torch.zeros(1, dtype=torch.long))[0]
+        slots = table[0, steps // 4] * 4 + steps % 4
+        rows = torch.stack([steps, slots, torch.zeros(n, dtype=torch.long)])
+        got = over_blocks(x.clone(), cos, sin, rows, table)
+        assert torch.equal(got, want), (
+            f"{variant}, steps {start}..{start + n - 1}: max |diff| {float((got - want).abs().max()):.2e} "
+            "between the paged and the static native layers"
         )
 
 
