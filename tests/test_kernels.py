@@ -395,9 +395,9 @@ def test_amx_asked_for_without_amx_is_one_line_and_the_kernels_still_run(monkeyp
     try:
         if build.library() is None:
             pytest.skip("could not build for -march=haswell here")
-        err = capfd.readouterr().err
-        assert err.count("CS336_KERNELS_AMX=1 but no AMX here") == 1, err
-        assert len(err.strip().splitlines()) == 1, err
+        # a cold cache also prints the one-time compile notice: every other line is the AMX one
+        lines = [line for line in capfd.readouterr().err.strip().splitlines() if ": compiling " not in line]
+        assert len(lines) == 1 and "CS336_KERNELS_AMX=1 but no AMX here" in lines[0], lines
         name, d_out, d_in, group_size = AMX_CASES[1]
         _, kernel, w64, b64 = make_layer(name, d_out, d_in, group_size)
         x = inputs(5, d_in, "contiguous")
