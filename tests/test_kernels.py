@@ -738,10 +738,11 @@ def test_the_triton_int8_kernel_equals_the_reference_for_1_to_32_rows(dtype):
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_cuda_weight_only_decode_beats_bf16_on_a_bandwidth_bound_layer(fmt):
     """int8 reads half the bytes of bf16, int4 a quarter: at M = 1 on an 8192 x 8192 layer (128 MB
-    in bf16) each must be faster than the bf16 product."""
+    in bf16) each must be faster than the bf16 product. The fast layer (fast.install) takes the GPU
+    path; the readable QuantizedLinear dequantizes, as the lecture's reference does."""
     torch.manual_seed(0)
     w = torch.randn(8192, 8192, device="cuda")
-    layer = QuantizedLinear.from_weight(w, fmt).cuda()
+    layer = install(QuantizedLinear.from_weight(w, fmt)).cuda()
     w16, x = w.bfloat16(), torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
         y, expected = layer(x).float(), F.linear(x.float(), layer.dequantize())
