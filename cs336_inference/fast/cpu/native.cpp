@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace {
@@ -33,6 +34,12 @@ struct Kernels {
 
 constexpr i64 MAX_ROWS = 32;  // ops.MAX_ROWS
 
+// Raise a RuntimeError with a message built here, handed to TORCH_CHECK as one C string. On torch
+// 2.11.0+cu130 with gcc 13.3 (an H200 machine, 2026-11-26) a TORCH_CHECK whose message mixes text and
+// numbers (built by c10::str inside this library) crashed the process with a segfault when it fired;
+// one ready string raised as it should.
+void fail(const std::string &message) { TORCH_CHECK(false, message.c_str()); }
+
 void set_kernels(std::vector<i64> addresses) {
     TORCH_CHECK(addresses.size() == 5, "set_kernels: expected 5 addresses");
     K.f32_rows = reinterpret_cast<F32>(addresses[0]);
@@ -44,12 +51,12 @@ void set_kernels(std::vector<i64> addresses) {
 
 // x as M rows of d_in floats with row stride ldx (ops._rows): a view where possible
 at::Tensor rows(const at::Tensor &x, i64 d_in) {
-    TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.size(-1) == d_in,
-                "cs336 kernels: x must be float32 on the CPU with ", d_in, " features");
+    if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || x.size(-1) != d_in)
+        fail("cs336 kernels: x must be float32 on the CPU with " + std::to_string(d_in) + " features");
     at::Tensor x2 = x.reshape({-1, d_in});
     if (x2.stride(1) != 1) x2 = x2.contiguous();
-    TORCH_CHECK(x2.size(0) >= 1 && x2.size(0) <= MAX_ROWS, "cs336 kernels: 1..", MAX_ROWS, " rows, got ",
-                x2.size(0));
+    if (x2.size(0) < 1 || x2.size(0) > MAX_ROWS)
+        fail("cs336 kernels: 1.." + std::to_string(MAX_ROWS) + " rows, got " + std::to_string(x2.size(0)));
     return x2;
 }
 
@@ -95,7 +102,7 @@ at::Tensor quantized(const at::Tensor &x, const at::Tensor &q, const c10::option
         K.int4(xp, M, d_in, ldx, q.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t *>(scale->data_ptr()),
                zero->data_ptr<uint8_t>(), scale->size(1), d_out, bias_ptr(bias), y.data_ptr<float>(), threads);
     } else {
-        TORCH_CHECK(fmt >= 3 && fmt <= 5, "cs336::quantized: unknown format code ", fmt);
+        if (fmt < 3 || fmt > 5) fail("cs336::quantized: unknown format code " + std::to_string(fmt));
         K.ggml(static_cast<int>(fmt), xp, M, d_in, ldx, q.data_ptr<uint8_t>(), d_out, bias_ptr(bias),
                y.data_ptr<float>(), threads);
     }
