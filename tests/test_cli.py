@@ -25,7 +25,10 @@ def built_kernels():
 
 
 def run_cli(*args: str, stdin: str | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args],
         input=stdin if stdin is not None else "",
@@ -303,7 +306,11 @@ def test_json_schema_gives_json_the_schema_accepts(tmp_path):
 
 
 def run_torchrun(nproc: int, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+    }
     # --standalone: a rendezvous on a free port of this machine
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     cmd += [str(SCRIPT), *args]

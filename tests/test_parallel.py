@@ -298,7 +298,10 @@ def test_torchrun_serve_py_tensor_parallel_answers_as_generate(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(repo / "scripts" / "serve.py"), "--tensor-parallel", "2", "--model", str(tmp_path)]
     cmd += ["--port", str(port), "--name", "tiny", "--num-blocks", "32"]
-    env = {**os.environ, "PYTHONPATH": str(repo)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
+    }
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         wait_ready(port, proc, 600, lambda m: None)
