@@ -203,3 +203,98 @@ def test_the_engine_draws_unseeded_rows_in_one_batch_and_seeded_rows_as_generate
     assert all(len(o) == 6 and all(0 <= t < model.config.vocab_size for t in o) for o in outs)
     assert calls and max(calls) == 3, f"batched draws per step {calls}: expected the 3 unseeded rows together"
     assert outs[3] == alone(model, prompts[3], seeded), "a seeded row no longer draws as generate(seed=...)"
+
+
+def _rows_to_filter(V: int = 4000, n: int = 36) -> tuple[torch.Tensor, list[tuple[float, int | None, float]]]:
+    """Rows from flat to peaked, each with (temperature, top_k, top_p): nuclei of one token to
+    thousands, inside and outside the sorted slice, with and without top-k."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(n, V, generator=g) * torch.linspace(0.3, 8.0, n)[:, None]
+    cfgs = [
+        ([0.6, 1.0, 1.7][b % 3], [None, 40, 900][(b // 3) % 3], float(torch.linspace(0.999, 0.02, n)[b]))
+        for b in range(n)
+    ]
+    return logits, cfgs
+
+
+def _count_fallbacks(monkeypatch) -> list[bool]:
+    """Record, for each filter_logits call of serving/sampler.py, whether it was given top_p (a row
+    that went to filter_logits whole) or not (the fast nucleus)."""
+    calls = []
+    real = sampler.filter_logits
+
+    def counted(logits, temperature, top_k=None, top_p=None):
+        calls.append(top_p is not None)
+        return real(logits, temperature, top_k, top_p)
+
+    monkeypatch.setattr(sampler, "filter_logits", counted)
+    return calls
+
+
+def test_filter_row_gives_filter_logits_bits_without_sorting(monkeypatch):
+    """The seeded rows' filter (sampler.filter_row) against sampling.filter_logits, bit for bit, on
+    rows whose nucleus is inside and outside the slice; none of them goes to filter_logits whole."""
+    from cs336_inference.sampling import filter_logits
+
+    logits, cfgs = _rows_to_filter()
+    calls = _count_fallbacks(monkeypatch)
+    widths = []
+    for b, (t, k, p) in enumerate(cfgs):
+        row = logits[b : b + 1]
+        got, want = sampler.filter_row(row, t, k, p), filter_logits(row, t, k, p)
+        widths.append(int(torch.isfinite(want).sum()))
+        assert torch.equal(got, want), (
+            f"row {b} (T={t}, k={k}, p={p:.3f}): {int(torch.isfinite(got).sum())} tokens kept, "
+            f"filter_logits keeps {widths[-1]}, or their values differ"
+        )
+    assert not any(calls), f"{sum(calls)} rows without ties went to filter_logits whole"
+    assert min(widths) == 1 and sum(w > sampler.NUCLEUS_SLICE for w in widths) >= 5, widths
+
+
+def test_filter_row_with_ties_at_the_edge_of_the_nucleus(monkeypatch):
+    """Logits on a coarse grid tie in groups. A row whose tie straddles the nucleus' edge (which of the
+    tied tokens top_p_filter keeps follows its sort) goes to filter_logits; every other row is found
+    without it, and still equals it bit for bit."""
+    from cs336_inference.sampling import filter_logits
+
+    g = torch.Generator().manual_seed(12)
+    logits = (torch.randn(60, 300, generator=g) * 2.0).round() / 2.0  # about 20 distinct values a row
+    calls = _count_fallbacks(monkeypatch)
+    outcomes = []
+    for b in range(60):
+        p = 0.1 + 0.85 * b / 59
+        row = logits[b : b + 1]
+        before = len(calls)
+        got = sampler.filter_row(row, 1.0, None, p)
+        outcomes.append(any(calls[before:]))  # filter_logits given top_p: the whole row
+        want = filter_logits(row, 1.0, None, p)
+        if not outcomes[-1]:
+            assert torch.equal(got, want), f"row {b} (p={p:.3f}): differs from filter_logits"
+        probs = filter_logits(row, 1.0).softmax(dim=-1)[0]  # what the nucleus is ranked by
+        kept = torch.isfinite(got[0])
+        straddles = bool((probs[~kept] == probs[kept].min()).any())
+        assert outcomes[-1] == straddles, (
+            f"row {b} (p={p:.3f}): went to filter_logits: {outcomes[-1]}, a tie straddles the edge: {straddles}"
+        )
+    assert 0 < sum(outcomes) < 60, f"{sum(outcomes)} of 60 rows straddle a tie: the cases should include both"
+
+
+def test_draw_seeded_draws_what_sample_next_token_draws():
+    """Same token and same generator state after every draw, for rows of SmolLM2's vocabulary size
+    with and without top-k and top-p, the generator carried from one draw to the next."""
+    from cs336_inference.sampling import sample_next_token
+
+    g = torch.Generator().manual_seed(13)
+    logits = torch.randn(12, 49152, generator=g) * torch.linspace(0.5, 6.0, 12)[:, None]
+    ours, theirs = torch.Generator().manual_seed(99), torch.Generator().manual_seed(99)
+    for b in range(12):
+        t, k, p = [0.7, 1.0, 1.3][b % 3], [None, 50][b % 2], [None, 0.9, 0.5, 0.99][b % 4]
+        for draw in range(3):
+            row = logits[b : b + 1]
+            token, filtered = sampler.draw_seeded(row, t, k, p, ours)
+            want = int(sample_next_token(row, t, k, p, theirs)[0])
+            assert token == want, f"row {b} draw {draw} (T={t}, k={k}, p={p}): drew {token}, expected {want}"
+            assert torch.equal(ours.get_state(), theirs.get_state()), (
+                f"row {b} draw {draw}: generator states differ"
+            )
+            assert torch.isfinite(filtered[0, token]), f"row {b} draw {draw}: the token is outside its filter"

@@ -56,14 +56,13 @@ from ..sampling import (
     TokenLogprobs,
     advance,
     constrain,
-    sample_next_token,
     sampled_logprobs,
     token_logprobs,
 )
 from .block_manager import BlockManager
 from .paged_attention import PagedBatch, PagedKVCache
 from .request import Request, RequestOutput
-from .sampler import sample_rows
+from .sampler import draw_seeded, filter_row, sample_rows
 from .scheduler import Scheduler
 
 
@@ -327,8 +326,9 @@ class LLMEngine:
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Next token of each sequence from its row of logits: greedy rows in one argmax, unseeded
         sampled rows in one batched draw (`sampler.sample_rows`), seeded rows one by one with their own
-        generator (so a seed draws as in `generate`); and,
-        where params.logprobs is set, the token's log-probability (`sampled_logprobs`)."""
+        generator (`sampler.draw_seeded`: the token `sample_next_token` draws, so a seed draws as in
+        `generate`); and, where params.logprobs is set, the token's log-probability (those of
+        `sampled_logprobs`)."""
         constraints = [seq.constraint for seq, _ in picks]
         constrained = any(c is not None for c in constraints)
         where = [r for _, r in picks]  # each sample's row (forked samples share one)
@@ -352,11 +352,16 @@ class LLMEngine:
         logprobs: list[TokenLogprobs | None] = [None] * len(picks)
         for j, (seq, _) in enumerate(picks):
             p = seq.params
-            row = logits[where[j] : where[j] + 1]
+            row, filtered = logits[where[j] : where[j] + 1], None
             if tokens[j] is None:
-                tokens[j] = int(sample_next_token(row, p.temperature, p.top_k, p.top_p, seq.generator)[0])
+                tokens[j], filtered = draw_seeded(row, p.temperature, p.top_k, p.top_p, seq.generator)
             if p.logprobs is not None:
-                lp = sampled_logprobs(row, p.temperature, p.top_k, p.top_p)
+                if p.temperature == 0.0:
+                    lp = sampled_logprobs(row)  # the model's own distribution
+                else:  # sampled_logprobs' numbers: log-softmax of filter_logits
+                    if filtered is None:
+                        filtered = filter_row(row, p.temperature, p.top_k, p.top_p)
+                    lp = filtered.log_softmax(dim=-1)
                 logprobs[j] = token_logprobs(lp, torch.tensor([tokens[j]], device=lp.device), p.logprobs)[0]
         if constrained:
             advance(constraints, torch.tensor(tokens))

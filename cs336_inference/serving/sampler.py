@@ -14,11 +14,13 @@ softmax(filter_logits(row, T, k, p)), is drawn with one uniform number per row (
     draw                   u ~ U[0, 1) per row, the first token whose cumulative mass exceeds u times
                            the row's total (float64 sums; a token of zero probability is never drawn)
 
-Rows with a seed do not come here: they keep `sample_next_token` and their own generator, so a
-seeded request draws what `generate(..., seed=seed)` draws. Unseeded rows draw from the global
-random stream, which no caller can replay, so only their distribution is promised; the tests
-check it by chi-square against a truncated softmax written out in plain Python, with controls that
-must fail, and the nucleus token for token against top_p_filter.
+Rows with a seed draw one at a time with their own generator (`draw_seeded`), exactly as
+`sample_next_token` draws, so that a seeded request draws what `generate(..., seed=seed)` draws:
+torch.multinomial on the same probabilities, from logits equal bit for bit to filter_logits' but
+with the nucleus found as above instead of by a sort of the whole row (`filter_row`). Unseeded
+rows draw from the global random stream, which no caller can replay, so only their distribution
+is promised; the tests check it by chi-square against a truncated softmax written out in plain
+Python, with controls that must fail, and the nucleus token for token against top_p_filter.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
+
+from cs336_inference.sampling import filter_logits
 
 NUCLEUS_SLICE = 256  # the most likely tokens a row's nucleus is looked for in before the whole row
 
@@ -74,6 +78,43 @@ def nucleus_slice(
     r = kept_ranks(vals, top_p)
     inside = r < c if c < probs.shape[-1] else torch.ones_like(r, dtype=torch.bool)
     return vals, ids, r, inside
+
+
+def filter_row(
+    logits: Float[Tensor, "1 V"], temperature: float, top_k: int | None = None, top_p: float | None = None
+) -> Float[Tensor, "1 V"]:
+    """sampling.filter_logits(logits, temperature, top_k, top_p) for one row, the same bits, without
+    sorting the row for top-p: its nucleus (the first r ranks, by kept_ranks) is every token at
+    least as likely as the r-th. Where tokens tie with the r-th and only some of them are kept,
+    which ones depends on the order top_p_filter's sort gives them, so that row goes to
+    filter_logits itself."""
+    if top_p is None or top_p >= 1.0:
+        return filter_logits(logits, temperature, top_k, top_p)
+    x = filter_logits(logits, temperature, top_k)  # divided by T, top-k: filter_logits' first steps
+    probs = x.softmax(dim=-1)  # what top_p_filter ranks (x is float32 already)
+    p = torch.tensor([top_p], dtype=torch.float32, device=x.device)
+    vals, _, r, inside = nucleus_slice(probs, p)
+    if not bool(inside[0]):  # wider than the slice: every value, sorted
+        vals = sorted_descending(probs)
+        r = kept_ranks(vals, p)
+    r = int(r[0])
+    if r < vals.shape[-1] and bool(vals[0, r] == vals[0, r - 1]):  # a tie across the edge
+        return filter_logits(logits, temperature, top_k, top_p)
+    return x.masked_fill(probs < vals[0, r - 1], float("-inf"))
+
+
+def draw_seeded(
+    logits: Float[Tensor, "1 V"],
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator,
+) -> tuple[int, Float[Tensor, "1 V"]]:
+    """sampling.sample_next_token(logits, temperature, top_k, top_p, generator) for one sampled row
+    (temperature > 0): the same token, and the generator left in the same state. Also returns the
+    filtered logits, whose log-softmax is the row's `sampled_logprobs`."""
+    x = filter_row(logits, temperature, top_k, top_p)
+    return int(torch.multinomial(x.softmax(dim=-1), num_samples=1, generator=generator)[0, 0]), x
 
 
 def _draw(weights: Float[Tensor, "n C"], u: Float[Tensor, " n"]) -> Int[Tensor, " n"]:
