@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from cs336_inference.fast.threads import auto_threads
+    from cs336_inference.fast.threads import auto_threads, in_passing_thread
 
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
@@ -123,33 +123,41 @@ def main(argv: list[str] | None = None) -> int:
     from cs336_inference.io.tokenizer import load_tokenizer
     from cs336_inference.serving import LLMEngine
 
-    try:
-        source = args.model or default_model_path()
+    def load(source):
         if args.tensor_parallel is not None:
             from cs336_inference.parallel import load_sharded
 
             model = load_sharded(source, dtype=getattr(torch, args.dtype), device=device)
         else:
             model = load_pretrained(source, dtype=getattr(torch, args.dtype), device=device).eval()
+        if args.quantize:
+            from cs336_inference.quantization import quantize_model
+
+            model = quantize_model(model, args.quantize, quantize_head=True)
+        if not args.eager:
+            from cs336_inference.fast import install
+
+            install(model)  # the products through the kernels (the same function; --eager: the readable one)
+        return model
+
+    # On the CPU the model is built on a thread that ends before the engine's starts: see
+    # threads.in_passing_thread (a GPU's current device belongs to a thread, so it stays here).
+    here = in_passing_thread if device == "cpu" else (lambda fn, *a, **kw: fn(*a, **kw))
+    try:
+        source = args.model or default_model_path()
+        model = here(load, source)
         tokenizer = load_tokenizer(source)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"serve.py: {e}", file=sys.stderr)
         return 2
-    if args.quantize:
-        from cs336_inference.quantization import quantize_model
-
-        model = quantize_model(model, args.quantize, quantize_head=True)
-    if not args.eager:
-        from cs336_inference.fast import install
-
-        install(model)  # the products through the kernels (the same function; --eager: the readable one)
     name = args.name or Path(str(source).rstrip("/")).name.split(".")[0]
     if rank != 0:  # tensor parallel: rank 0 schedules and samples, this rank follows its steps
         from cs336_inference.parallel.serving import follow
 
         follow(model, args.num_blocks, args.block_size)
         return 0
-    engine = LLMEngine(
+    engine = here(
+        LLMEngine,
         model,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
