@@ -272,6 +272,30 @@ def test_auto_threads_counts_the_idle_cores():
     assert idle_cores(before, stat((200, 100), (100, 200)), {0}) == 0.0, "only the CPUs this process may use"
 
 
+def test_in_passing_thread_runs_on_a_thread_that_has_ended():
+    """serve.py builds its model with threads.in_passing_thread: fn runs on another thread, which is
+    gone when the call returns (its OpenMP team with it), and fn's result or exception comes back."""
+    import threading
+
+    from cs336_inference.fast.threads import in_passing_thread
+
+    ran_on = []
+
+    def build(a, b=0):
+        ran_on.append(threading.current_thread())
+        return a + b
+
+    assert in_passing_thread(build, 2, b=3) == 5
+    assert ran_on[0] is not threading.current_thread(), "fn ran on the calling thread"
+    assert not ran_on[0].is_alive(), "the passing thread is still alive after the call"
+
+    def fail():
+        raise KeyError("no such checkpoint")
+
+    with pytest.raises(KeyError, match="no such checkpoint"):
+        in_passing_thread(fail)
+
+
 def test_json_schema_gives_json_the_schema_accepts(tmp_path):
     """--json-schema FILE on the default model and the default (fast) path: the text is JSON that
     the schema accepts (checked by the jsonschema package); a schema llguidance cannot compile is a

@@ -35,6 +35,9 @@ unfinished, and hands each request's outputs to its HTTP call's asyncio queue on
 (call_soon_threadsafe).
 HTTP handlers never touch the engine: they send commands and await their queue. A client that
 disconnects (or a stream that is cancelled) aborts its request, which frees its KV blocks.
+`scripts/serve.py` builds the model on a thread that has ended before this loop starts
+(fast/threads.in_passing_thread): a live thread that once ran a parallel torch op keeps an OpenMP
+team, and with more such threads than cores the engine's steps wait at every barrier.
 """
 
 from __future__ import annotations
