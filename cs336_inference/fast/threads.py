@@ -63,10 +63,8 @@ def in_passing_thread(fn, *args, **kwargs):
     on another thread, as the server's engine loop does. Every thread that starts a parallel region
     gets an OpenMP team of its own, which lives as long as the thread. Once a process's teams hold
     more threads than there are cores, libgomp waits at its barriers with only a short spin before
-    sleeping (the GOMP_SPINCOUNT entry of its manual), and a decode step is hundreds of barriers.
-    Measured with SmolLM2 fp32 on 2 threads, the engine stepping on a second thread while the main
-    thread lived on: 23.6 / 24.3 ms a one-request step when the main thread had loaded the model,
-    13.1 / 12.8 ms when a passing thread had (AMD EPYC Zen 5, 2026-11-26).
+    sleeping (the GOMP_SPINCOUNT entry of its manual), and a decode step is hundreds of barriers:
+    the engine's steps slow down for as long as such a thread lives, and not after it has ended.
     """
     result: list = []
     error: list[BaseException] = []
