@@ -587,6 +587,37 @@ def test_the_native_step_follows_replaced_weights():
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_the_native_step_follows_weights_updated_in_place():
+    """The native step multiplies from panels, a second copy of each fp32 weight (fast/cpu/ops.panels):
+    a weight updated in place (a stacked q/k/v member, an unstacked down_proj, the output matrix, as
+    an optimizer step does) is packed again on the next step, as the cached forward reads it."""
+    model = _native_model("gqa")
+    prompt = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
+    token = torch.tensor([3])
+    with torch.inference_mode():
+        eager_cache, fixed_cache = model.new_cache(1, 24), model.new_cache(1, 24)
+        model(prompt, cache=eager_cache)
+        model(prompt, cache=fixed_cache)
+        step = FixedStep(model, fixed_cache, "native")
+        before = step(token)
+        model(token[:, None], cache=eager_cache)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for w in (
+            model.layers[0].attn.q_proj.weight,
+            model.layers[1].mlp.down_proj.weight,
+            model.vocab_weight,
+        ):
+            w.add_(torch.randn(w.shape, generator=g) * 0.5)
+    with torch.inference_mode():
+        got = step(token)
+        expected = model(token[:, None], cache=eager_cache)[:, -1]
+    torch.testing.assert_close(
+        got, expected, rtol=1e-4, atol=1e-4, msg=lambda m: f"after in-place updates: {m}"
+    )
+    assert (got - before).abs().max() > 0.1, "the updates did not change the logits: the test shows nothing"
+
+
 def test_the_native_step_refuses_what_it_cannot_run_in_one_line(monkeypatch):
     from cs336_inference.fast.cpu import build
 

@@ -23,6 +23,8 @@ CASES = [
     ("fp32_rows", 37, 70, None),
     ("fp32_cols", 37, 70, None),
     ("fp32_cols", 45, 96, None),  # one whole 32-column tile and a partial one
+    ("fp32_panels", 37, 70, None),  # 3 panels of 16 rows, the last one padded
+    ("fp32_panels", 200, 33, None),  # 13 panels: a short last tile whether tiles are 1, 3 or 4 panels
     ("int8", 37, 70, None),
     ("int8", 33, 64, None),
     ("int4", 37, 70, 10),  # groups that are not whole 32-blocks: the scalar path
@@ -69,7 +71,7 @@ def make_layer(name: str, d_out: int, d_in: int, group_size: int | None, bias: b
     if name.startswith("fp32"):
         # the layer's own forward re-stores its weight in the layout measured fastest, so the two
         # layouts are checked on the kernel directly; the layer runs its decode path as it decides
-        stored = w.contiguous() if name == "fp32_rows" else w.t().contiguous().t()
+        stored = w.t().contiguous().t() if name == "fp32_cols" else w.contiguous()
         layer = Linear(d_in, d_out, bias=bias).requires_grad_(False)
         with torch.no_grad():
             layer.weight.data = stored.clone()
@@ -77,7 +79,7 @@ def make_layer(name: str, d_out: int, d_in: int, group_size: int | None, bias: b
                 layer.bias.copy_(b)
         return (
             install(layer),
-            lambda x: kernels.linear_fp32(x, stored, b),
+            lambda x: (kernels.linear_panels if name == "fp32_panels" else kernels.linear_fp32)(x, stored, b),
             w.double(),
             None if b is None else b.double(),
         )
@@ -964,3 +966,55 @@ def test_plans_are_kept_in_a_file_between_processes(monkeypatch, tmp_path):
     monkeypatch.setattr(autotune, "_plans", {})
     autotune.product_plan(40, 24)
     assert calls == [(40, 24), (40, 24)], "CS336_AUTOTUNE_CACHE=0: measured every process"
+
+
+def _fma32(a: float, b: float, c: float) -> float:
+    """fma in float32, exactly: a * b + c in rationals, rounded once to the nearest float32 (ties to even)."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    guess = np.float32(float(exact))
+    near = [guess, np.nextafter(guess, np.float32("inf")), np.nextafter(guess, np.float32("-inf"))]
+    best = min(abs(Fraction(float(v)) - exact) for v in near)
+    ties = [v for v in near if abs(Fraction(float(v)) - exact) == best]
+    return float(min(ties, key=lambda v: int(v.view(np.int32)) & 1))  # even mantissa on a tie
+
+
+def _panel_products_of_every_build(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, monkeypatch) -> dict:
+    """linear_panels(x, w, b) on this CPU's build, the AVX2 one and the plain x86-64 one."""
+    out = {}
+    for march in ("", "haswell", "x86-64"):
+        monkeypatch.setenv("CS336_KERNELS_MARCH", march)
+        build.reset()
+        if build.library() is not None:
+            out[march or "this CPU"] = kernels.linear_panels(x, w, b)
+    build.reset()
+    return out
+
+
+def test_panel_products_are_one_fma_chain_per_output_on_every_build(kernels_on, monkeypatch):
+    """decode.c's panels: y[m, o] = fma(W[o, I-1], x[m, I-1], ... fma(W[o, 0], x[m, 0], 0)) + b[o],
+    checked against that chain computed in exact rationals, for the builds with 16, 8 and 4 lanes
+    (so their bits agree with one another), and with 40 rows (more than one call of the other kernels)."""
+    g = torch.Generator().manual_seed(5)
+    d_out, d_in = 21, 9
+    w, b = torch.randn(d_out, d_in, generator=g), torch.randn(d_out, generator=g)
+    x = torch.randn(40, d_in, generator=g)
+    expected = torch.empty(40, d_out)
+    for m in range(40):
+        for o in range(d_out):
+            acc = 0.0
+            for i in range(d_in):
+                acc = _fma32(w[o, i].item(), x[m, i].item(), acc)
+            expected[m, o] = float(torch.tensor(acc) + b[o])  # float32 add, as the kernel's bias
+    got = _panel_products_of_every_build(x, w, b, monkeypatch)
+    assert len(got) >= 2, f"only {list(got)} could be built here"
+    for build_name, y in got.items():
+        assert y is not None, f"{build_name}: linear_panels declined 40 rows"
+        bad = (y != expected).nonzero()
+        assert len(bad) == 0, (
+            f"{build_name}: {len(bad)} of {y.numel()} outputs differ from the fma chain, first at (m, o) ="
+            f" {tuple(bad[0].tolist())}: {y[tuple(bad[0])].item()!r} instead of {expected[tuple(bad[0])].item()!r}"
+        )

@@ -3,7 +3,7 @@
 build.py    compiles decode.c, amx.c and step.c on first use (gcc -O3 -march=native -fopenmp), caches the
             shared library and loads it with ctypes. No compiler, a failed build or CS336_KERNELS=0:
             `library()` is None and the readable path runs (a failed build says so once on stderr).
-decode.c    fp32 (row- or column-major), int8, int4, Q8_0, Q4_0, Q4_1 weights times float activations;
+decode.c    fp32 (row- or column-major, or in panels of 16 rows), int8, int4, Q8_0, Q4_0, Q4_1 weights times float activations;
             int8 x int8 (llm_int8 / w8a8, AVX512-VNNI where present); 4/8-bit blocks x Q8_0 activations
 amx.c       int4 and int8 on Intel AMX bf16 tiles (opt-in: CS336_KERNELS_AMX=1; docs/kernels.md says why)
 step.c      every decoder layer of a fixed-shape step in one C function (fast/step/native.py drives it)
@@ -21,6 +21,7 @@ from cs336_inference.fast.cpu.ops import (
     MAX_ROWS,
     QUANTIZED_MAX_ROWS,
     linear_fp32,
+    linear_panels,
     llm_int8_linear,
     quantized_linear,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "enabled",
     "library",
     "linear_fp32",
+    "linear_panels",
     "llm_int8_linear",
     "quantized_linear",
 ]

@@ -94,6 +94,7 @@ def _declare(lib: ctypes.CDLL, every: bool = True) -> None:
     signatures = {
         "cs336_f32_rows": [p, i64, i64, i64, p, i64, p, p, i32],
         "cs336_f32_cols": [p, i64, i64, i64, p, i64, p, p, i32],
+        "cs336_f32_panels": [p, i64, i64, i64, p, i64, p, p, i32],
         "cs336_int8": [p, i64, i64, i64, p, p, i64, p, p, i32],
         "cs336_int4": [p, i64, i64, i64, p, p, p, i64, i64, p, p, i32],
         "cs336_ggml": [i32, p, i64, i64, i64, p, i64, p, p, i32],

@@ -768,6 +768,106 @@ void cs336_f32_cols(const float *x, i64 M, i64 I, i64 ldx, const float *wt, i64 
         }
 }
 
+/* ------------------------------------------------------------------ fp32 panels
+
+   W stored as panels of PW = 16 output rows, each input-major: wp[p][i][k] = W[16 p + k, i]
+   (ops.pack_panels; the last panel padded with zero rows). One step of i loads a panel's 16 weights
+   as vectors and multiplies them by x[m, i] broadcast: the lanes are outputs, so nothing is summed
+   across lanes at the end, each output is one fma chain in input order,
+
+       y[m, o] = fma(W[o, I-1], x[m, I-1], ... fma(W[o, 0], x[m, 0], 0)) (+ b[o]),
+
+   whatever the number of rows, the tile's shape, the vector width or the threads; and a tile of TP
+   panels is TP sequential streams of the weight. Tiles of TP panels x R rows of x, with AVX-512
+   (32 registers): 4 x 1 for one row, 4 x 4, 4 x 6, then 3 x 8 (24 accumulators); AVX2 (16): 1 x 6
+   (2 vectors a panel). Several row groups run one after another over a tile, whose weights are
+   then read from L2. The native steps (step.c, format 7) and OutputHead run their fp32 products
+   this way; the layout is a second copy of the weight (fast/cpu/ops.panels). */
+
+#define PW 16
+#define NV (PW / VL) /* vectors per panel */
+#define PANEL_AHEAD 512 /* floats ahead in each panel's stream (2 KB) */
+#define DEF_PANEL_TILE(TP, R)                                                                                \
+    static void panel_tile_##TP##_##R(const float *wp, i64 I, const float *x, i64 ldx, float *s) {           \
+        vf a[R][TP * NV];                                                                                    \
+        for (int r = 0; r < R; r++)                                                                          \
+            for (int v = 0; v < TP * NV; v++) a[r][v] = (vf){0};                                             \
+        for (i64 i = 0; i < I; i++) {                                                                        \
+            vf w[TP * NV];                                                                                   \
+            for (int t = 0; t < TP; t++) {                                                                   \
+                const float *pt = wp + t * I * PW + i * PW;                                                  \
+                __builtin_prefetch(pt + PANEL_AHEAD);                                                        \
+                for (int v = 0; v < NV; v++) w[t * NV + v] = vload(pt + v * VL);                             \
+            }                                                                                                \
+            for (int r = 0; r < R; r++) {                                                                    \
+                vf xb = vsplat(x[r * ldx + i]);                                                              \
+                for (int v = 0; v < TP * NV; v++) a[r][v] = vfma(w[v], xb, a[r][v]);                         \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++)                                                                          \
+            for (int v = 0; v < TP * NV; v++) vstore(s + (r * TP * NV + v) * VL, a[r][v]);                   \
+    }
+typedef void (*panel_fn)(const float *, i64, const float *, i64, float *);
+#if VL == 16
+enum { PANEL_TP_MAX = 4, PANEL_R_MAX = 8 };
+DEF_PANEL_TILE(4, 1) DEF_PANEL_TILE(4, 2) DEF_PANEL_TILE(4, 3) DEF_PANEL_TILE(4, 4) DEF_PANEL_TILE(4, 5)
+DEF_PANEL_TILE(4, 6) DEF_PANEL_TILE(3, 1) DEF_PANEL_TILE(3, 2) DEF_PANEL_TILE(3, 3) DEF_PANEL_TILE(3, 4)
+DEF_PANEL_TILE(3, 5) DEF_PANEL_TILE(3, 6) DEF_PANEL_TILE(3, 7) DEF_PANEL_TILE(3, 8) DEF_PANEL_TILE(2, 1)
+DEF_PANEL_TILE(2, 2) DEF_PANEL_TILE(2, 3) DEF_PANEL_TILE(2, 4) DEF_PANEL_TILE(2, 5) DEF_PANEL_TILE(2, 6)
+DEF_PANEL_TILE(2, 7) DEF_PANEL_TILE(2, 8) DEF_PANEL_TILE(1, 1) DEF_PANEL_TILE(1, 2) DEF_PANEL_TILE(1, 3)
+DEF_PANEL_TILE(1, 4) DEF_PANEL_TILE(1, 5) DEF_PANEL_TILE(1, 6) DEF_PANEL_TILE(1, 7) DEF_PANEL_TILE(1, 8)
+/* [TP][R]: a short last tile (fewer panels) keeps the group's R */
+static const panel_fn PANEL_TILES[5][9] = {
+    {0},
+    {0, panel_tile_1_1, panel_tile_1_2, panel_tile_1_3, panel_tile_1_4, panel_tile_1_5, panel_tile_1_6, panel_tile_1_7, panel_tile_1_8},
+    {0, panel_tile_2_1, panel_tile_2_2, panel_tile_2_3, panel_tile_2_4, panel_tile_2_5, panel_tile_2_6, panel_tile_2_7, panel_tile_2_8},
+    {0, panel_tile_3_1, panel_tile_3_2, panel_tile_3_3, panel_tile_3_4, panel_tile_3_5, panel_tile_3_6, panel_tile_3_7, panel_tile_3_8},
+    {0, panel_tile_4_1, panel_tile_4_2, panel_tile_4_3, panel_tile_4_4, panel_tile_4_5, panel_tile_4_6, 0, 0}};
+static void panel_shape(i64 M, int *TP, int *RG) {
+    *TP = M > 6 ? 3 : 4;
+    *RG = M > 6 ? 8 : M > 4 ? 6 : 4;
+}
+#else /* AVX2 (16 registers) and narrower: one panel against up to 6 rows */
+enum { PANEL_TP_MAX = 1, PANEL_R_MAX = 6 };
+DEF_PANEL_TILE(1, 1) DEF_PANEL_TILE(1, 2) DEF_PANEL_TILE(1, 3) DEF_PANEL_TILE(1, 4) DEF_PANEL_TILE(1, 5)
+DEF_PANEL_TILE(1, 6)
+static const panel_fn PANEL_TILES[2][9] = {
+    {0}, {0, panel_tile_1_1, panel_tile_1_2, panel_tile_1_3, panel_tile_1_4, panel_tile_1_5, panel_tile_1_6, 0, 0}};
+static void panel_shape(i64 M, int *TP, int *RG) {
+    *TP = 1;
+    *RG = VL == 8 ? 6 : 3;
+}
+#endif
+
+/* y [M, O] = x W^T (+ b), W as panels (above); any M >= 1 */
+void cs336_f32_panels(const float *x, i64 M, i64 I, i64 ldx, const float *wp, i64 O, const float *bias, float *y,
+                      int threads) {
+    int TP, RG;
+    panel_shape(M, &TP, &RG);
+    const i64 groups = (M + RG - 1) / RG;
+    RG = (int)((M + groups - 1) / groups); /* the rows spread evenly over the groups, as rowmajor_mm */
+    const i64 panels = (O + PW - 1) / PW, tiles = (panels + TP - 1) / TP;
+#pragma omp parallel num_threads(threads)
+    {
+        float s[PANEL_R_MAX * PANEL_TP_MAX * PW];
+#pragma omp for schedule(static)
+        for (i64 t = 0; t < tiles; t++) {
+            i64 p0 = t * TP;
+            int tp = panels - p0 < TP ? (int)(panels - p0) : TP;
+            i64 o0 = p0 * PW, n = O - o0 < tp * PW ? O - o0 : tp * PW; /* the tile's real outputs */
+            for (i64 m = 0; m < M; m += RG) {
+                int R = M - m < RG ? (int)(M - m) : RG;
+                PANEL_TILES[tp][R](wp + p0 * I * PW, I, x + m * ldx, ldx, s);
+                for (int r = 0; r < R; r++) {
+                    float *yr = y + (m + r) * O + o0;
+                    const float *sr = s + r * tp * PW;
+                    for (i64 k = 0; k < n; k++) yr[k] = bias ? sr[k] + bias[o0 + k] : sr[k];
+                }
+            }
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ int8 x int8 (w8a8, LLM.int8())
 
    y[m, o] = ((float)acc[m, o] * s_x[m]) * s_w[o] (+ b[o]), acc = sum_i qx[m, i] * q[o, i] in int32:

@@ -17,8 +17,10 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from cs336_inference.fast.cpu import build
 from cs336_inference.fast.gpu.products import quantized_cuda
@@ -74,6 +76,59 @@ def linear_fp32(
     y = torch.empty(*x.shape[:-1], d_out)
     fn(x2.data_ptr(), M, d_in, ldx, weight.data_ptr(), d_out, bias if bias is None else bias.data_ptr(), y.data_ptr(),
        torch.get_num_threads())  # fmt: skip
+    return y
+
+
+PANEL = 16  # output rows per panel: decode.c's PW
+_panels = WeakIdKeyDictionary()  # weight -> (data pointer, version, its panels)
+
+
+def panels_on() -> bool:
+    """Whether the native steps run their fp32 products from panels (CS336_KERNELS_PANELS, on by default)."""
+    return build.switched_on("CS336_KERNELS_PANELS")
+
+
+def pack_panels(w: Float[Tensor, "O I"]) -> Float[Tensor, "P I 16"]:
+    """W as decode.c's panels: out[p, i, k] = W[16 p + k, i], the last panel padded with zero rows."""
+    padded = F.pad(w.detach(), (0, 0, 0, -w.shape[0] % PANEL))
+    return rearrange(padded, "(p k) i -> p i k", k=PANEL).contiguous()
+
+
+def version(t: Tensor) -> int:
+    return 0 if t.is_inference() else t._version  # inference tensors keep no version counter
+
+
+def panels(weight: Float[Tensor, "O I"], stamp: object = None) -> Float[Tensor, "P I 16"]:
+    """The panels of an fp32 weight: a second copy, made on first use and again whenever the weight was
+    re-stored (a new data pointer) or updated in place (its version counter moved; not for an
+    inference tensor, nor for writes through `.data`, which no counter sees). stamp: what stands for
+    the version instead (a stacked weight: its members' versions, since their views count apart)."""
+    key = (weight.data_ptr(), version(weight) if stamp is None else stamp)
+    entry = _panels.get(weight)
+    if entry is None or entry[:2] != key:
+        with torch.inference_mode(weight.is_inference()), torch.no_grad():
+            entry = (*key, pack_panels(weight))
+        _panels[weight] = entry
+    return entry[2]
+
+
+def linear_panels(
+    x: Float[Tensor, "... I"], weight: Float[Tensor, "O I"], bias: Tensor | None = None
+) -> Float[Tensor, "... O"] | None:
+    """x W^T + b from W's panels (any number of rows); None where linear_fp32 would not run either."""
+    lib = build.library()
+    if lib is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    d_out, d_in = weight.shape
+    rows = _rows(x, d_in, weight.requires_grad, max_rows=1 << 62)
+    if rows is None or torch.compiler.is_compiling():
+        return None
+    x2, M, ldx = rows
+    y = torch.empty(*x.shape[:-1], d_out)
+    lib.cs336_f32_panels(x2.data_ptr(), M, d_in, ldx, panels(weight).data_ptr(), d_out,
+                         bias if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())  # fmt: skip
     return y
 
 

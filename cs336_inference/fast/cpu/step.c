@@ -31,6 +31,8 @@ typedef int64_t i64;
 
 void cs336_f32_rows(const float *x, i64 M, i64 I, i64 ldx, const float *w, i64 O, const float *bias, float *y,
                     int threads);
+void cs336_f32_panels(const float *x, i64 M, i64 I, i64 ldx, const float *wp, i64 O, const float *bias, float *y,
+                      int threads);
 void cs336_f32_cols(const float *x, i64 M, i64 I, i64 ldx, const float *wt, i64 O, const float *bias, float *y,
                     int threads);
 void cs336_int8(const float *x, i64 M, i64 I, i64 ldx, const int8_t *q, const float *scale, i64 O,
@@ -45,9 +47,10 @@ void cs336_exp(float *x, i64 n);
 void cs336_silu_mul(const float *gu, i64 M, i64 F, float *a, int threads);
 
 /* A product: {format, O, groups, weight, scale, zero, bias}. Formats as decode.c (1 int8, 2 int4,
-   3 q8_0, 4 q4_0, 5 q4_1), with 0 = fp32 row-major, 6 = fp32 column-major (W^T contiguous), and
+   3 q8_0, 4 q4_0, 5 q4_1), with 0 = fp32 row-major, 6 = fp32 column-major (W^T contiguous), 7 = fp32
+   in panels of 16 rows (decode.c's cs336_f32_panels), and
    A8 + format for int4, q8_0 and q4_0 times Q8_0 activations (decode.c's `cs336_a8`). */
-enum { LIN_FIELDS = 7, F32_ROWS = 0, F32_COLS = 6, A8 = 16 };
+enum { LIN_FIELDS = 7, F32_ROWS = 0, F32_COLS = 6, F32_PANELS = 7, A8 = 16 };
 /* A layer: {attn_norm, mlp_norm, k cache, v cache, window (0: none), qkv, o, gateup, down}. */
 enum { LAYER_HEAD = 5, LAYER_FIELDS = LAYER_HEAD + 4 * LIN_FIELDS };
 /* dims: {B, T, D, N, K, H, F, S (cache slots), threads} */
@@ -61,6 +64,8 @@ static void linear(const i64 *L, const float *x, i64 M, i64 I, float *y, int thr
         cs336_f32_rows(x, M, I, I, (const float *)w, O, bias, y, threads);
     else if (fmt == F32_COLS)
         cs336_f32_cols(x, M, I, I, (const float *)w, O, bias, y, threads);
+    else if (fmt == F32_PANELS)
+        cs336_f32_panels(x, M, I, I, (const float *)w, O, bias, y, threads);
     else if (fmt == 1)
         cs336_int8(x, M, I, I, (const int8_t *)w, (const float *)scale, O, bias, y, threads);
     else if (fmt > A8)

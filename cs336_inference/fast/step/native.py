@@ -13,12 +13,23 @@ stacked by fuse.py (on by default), every product fp32 or one of the kernels' qu
 (int8, int4, q8_0, q4_0, q4_1), float32 activations, a CPU with the kernels built. The model's own
 forward stays the reference: tests/test_graphs.py compares the two for every supported shape.
 
-Weights are read through their data pointers. Each call compares the data pointers of the weights
-a step reads (270 for SmolLM2), looked up from the blocks by name, with the last call's and
-describes the layers again if one moved, so a weight or a layer replaced since the last call is seen
-(a replaced member of a stacked group is stacked again); in-place updates write into the same
-memory anyway. Biases and quantization scales are not watched: one replaced on its own (its weight
-left as it was) is seen only once a weight moves (fast/step/fuse.py's groups have the same limit).
+The fp32 products (the stacked groups, o_proj, down_proj and the output matrix) read panels of 16
+rows (decode.c's cs336_f32_panels): a second copy of each fp32 weight made on first use
+(fast/cpu/ops.panels; SmolLM2 fp32 holds 538 MB more), since the readable Linear and the prefill's
+BLAS keep reading W as [O, I]. Several rows multiply faster from panels than from row-major weights
+(nothing is summed across lanes at the end, and each panel is one sequential stream; the engine's
+16-request step gains most), and a row's result is one fma chain per output whatever the rows,
+threads or vector width.
+CS336_KERNELS_PANELS=0 keeps the row- or column-major weights (no copy), as the planner stores them.
+
+Weights are read through their data pointers. Each call compares the data pointers and version
+counters of the weights a step reads (270 for SmolLM2), looked up from the blocks by name, with the
+last call's and describes the layers again if one changed, so a weight or a layer replaced since the
+last call is seen (a replaced member of a stacked group is stacked again), and so is a weight
+updated in place (its panels are packed again). Not seen: writes through `.data` or to an inference
+tensor, which move no counter. Biases and quantization scales are not watched: one replaced on its
+own (its weight left as it was) is seen only once a weight changes (fast/step/fuse.py's groups have
+the same limit).
 """
 
 from __future__ import annotations
@@ -31,13 +42,21 @@ from torch import Tensor
 from cs336_inference.attention import Attention
 from cs336_inference.fast.autotune import decode_linear, settle
 from cs336_inference.fast.cpu import build
-from cs336_inference.fast.cpu.ops import A8_CODE, FORMAT_CODES, linear_fp32
+from cs336_inference.fast.cpu.ops import (
+    A8_CODE,
+    FORMAT_CODES,
+    linear_fp32,
+    linear_panels,
+    panels,
+    panels_on,
+    version,
+)
 from cs336_inference.fast.layers import readable_type
 from cs336_inference.kv_cache import StaticKVCache
 from cs336_inference.layers import Linear, RMSNorm, SwiGLU
 from cs336_inference.quantization.linear import PackedWeight, QuantizedLinear
 
-F32_ROWS, F32_COLS = 0, 6  # step.c's format codes for fp32; the quantized ones are ops.FORMAT_CODES
+F32_ROWS, F32_COLS, F32_PANELS = 0, 6, 7  # step.c's fp32 format codes; the quantized ones: ops.FORMAT_CODES
 
 
 def _product_problem(layer) -> str | None:
@@ -106,8 +125,9 @@ def model_problem(model) -> str | None:
     return None
 
 
-def _product(layer) -> list[int]:
-    """step.c's {format, O, groups, weight, scale, zero, bias} of a layer (or a stacked group)."""
+def _product(layer, stamp: object = None) -> list[int]:
+    """step.c's {format, O, groups, weight, scale, zero, bias} of a layer (or a stacked group, whose
+    members' weight versions are the stamp of its panels)."""
     bias = 0 if layer.bias is None else layer.bias.data_ptr()
     if isinstance(layer, QuantizedLinear):
         scale, zero = getattr(layer, "scale", None), getattr(layer, "zero", None)
@@ -118,18 +138,21 @@ def _product(layer) -> list[int]:
             0 if scale is None else scale.data_ptr(), 0 if zero is None else zero.data_ptr(), bias,
         ]  # fmt: skip
     w = layer.weight
+    if panels_on():
+        return [F32_PANELS, w.shape[0], 0, panels(w, stamp).data_ptr(), 0, 0, bias]
     code = F32_ROWS if w.is_contiguous() else F32_COLS if w.stride() == (1, w.shape[0]) else None
     if code is None:
         raise ValueError(f"a float32 weight of strides {w.stride()} is neither row- nor column-major")
     return [code, w.shape[0], 0, w.data_ptr(), 0, 0, bias]
 
 
-def _stacked(first) -> object:
-    """The stacked layer of first's group, stacked again if a member's weight was replaced."""
+def _stacked(first) -> list[int]:
+    """step.c's product of first's group, stacked again if a member's weight was replaced."""
     group = first.siblings
     if not group._shared():
         group._stack()
-    return group.stacked
+    members = [m.qweight if isinstance(m, QuantizedLinear) else m.weight for m in group.layers]
+    return _product(group.stacked, tuple(version(w) for w in members))
 
 
 class NativeLayers:
@@ -162,7 +185,7 @@ class NativeLayers:
                         (block, part, name, "qweight" if isinstance(layer, QuantizedLinear) else "weight")
                     )
         self._rows, self._seen = torch.empty(0, dtype=torch.int64), None
-        for block in model.layers:  # the fp32 products take the layout the planner measured fastest
+        for block in model.layers if not panels_on() else ():  # else: the layout the planner measured fastest
             for layer in (block.attn.o_proj, block.mlp.down_proj):
                 if isinstance(layer, Linear):
                     settle(layer)
@@ -189,7 +212,8 @@ class NativeLayers:
             module = block._modules[part]
             module = module if name is None else module._modules[name]
             t = module._parameters.get(tensor)
-            pointers.append((module._buffers[tensor] if t is None else t).data_ptr())
+            t = module._buffers[tensor] if t is None else t
+            pointers.append((t.data_ptr(), version(t)))
         return pointers
 
     def _describe(self) -> Tensor:
@@ -198,8 +222,8 @@ class NativeLayers:
             attn, mlp, (k, v) = block.attn, block.mlp, self._stores(i)
             rows += [block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr()]
             rows += [k.data_ptr(), v.data_ptr(), self.windows[i]]
-            rows += _product(_stacked(attn.q_proj)) + _product(attn.o_proj)
-            rows += _product(_stacked(mlp.gate_proj)) + _product(mlp.down_proj)
+            rows += _stacked(attn.q_proj) + _product(attn.o_proj)
+            rows += _stacked(mlp.gate_proj) + _product(mlp.down_proj)
         return torch.tensor(rows, dtype=torch.int64)
 
     def __call__(
@@ -239,9 +263,9 @@ class OutputHead:
 
     A quantized output matrix runs its own layer (what F.linear(h, PackedWeight) does). A float one
     takes our fp32 product first when `ours_first` (the native steps: each row's logits then do not
-    depend on how many rows share the call), else the planned product of fast/autotune.py, which the
-    model's own last line (F.linear) does not take; F.linear where neither runs. With ours_first the
-    matrix is re-stored once in its planned layout.
+    depend on how many rows share the call), from panels as the layers' products (else with the
+    matrix re-stored once in its planned layout); else the planned product of fast/autotune.py, which
+    the model's own last line (F.linear) does not take; F.linear where neither runs.
     """
 
     bias = None  # a bias-free Linear, for decode_linear
@@ -250,13 +274,15 @@ class OutputHead:
         w = model.vocab_weight
         self.layer = w.layer if isinstance(w, PackedWeight) else None
         self.weight, self.ours_first = w, ours_first
-        if self.layer is None and ours_first:
+        if self.layer is None and ours_first and not panels_on():
             settle(self)
 
     def __call__(self, h: Float[Tensor, "... D"]) -> Float[Tensor, "... V"]:
         if self.layer is not None:
             return self.layer(h)
-        y = linear_fp32(h, self.weight) if self.ours_first else None
+        y = None
+        if self.ours_first:
+            y = linear_panels(h, self.weight) if panels_on() else linear_fp32(h, self.weight)
         if y is None:
             y = decode_linear(self, h)
         return F.linear(h, self.weight) if y is None else y
