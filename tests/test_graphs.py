@@ -556,10 +556,9 @@ def _verify_pass_equals_single_steps(model, fmt):
     assert torch.equal(singles, together), f"{fmt}: max difference {(singles - together).abs().max():.3g}"
 
 
-def test_the_native_step_follows_replaced_weights():
-    """A weight replaced between steps (a stacked q/k/v member, and an unstacked down_proj), then a
-    whole layer replaced, is read on the next native step, as the cached forward reads it."""
-    model = _native_model("gqa")
+def _one_native_step(model):
+    """(native step, eager cache, token, logits): a 7-token prompt in two caches, then one step of the
+    token by the native step and by the cached forward."""
     prompt = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
     token = torch.tensor([3])
     with torch.inference_mode():
@@ -567,7 +566,16 @@ def test_the_native_step_follows_replaced_weights():
         model(prompt, cache=eager_cache)
         model(prompt, cache=fixed_cache)
         step = FixedStep(model, fixed_cache, "native")
-        step(token), model(token[:, None], cache=eager_cache)
+        logits = step(token)
+        model(token[:, None], cache=eager_cache)
+    return step, eager_cache, token, logits
+
+
+def test_the_native_step_follows_replaced_weights():
+    """A weight replaced between steps (a stacked q/k/v member, and an unstacked down_proj), then a
+    whole layer replaced, is read on the next native step, as the cached forward reads it."""
+    model = _native_model("gqa")
+    step, eager_cache, token, _ = _one_native_step(model)
     g = torch.Generator().manual_seed(9)
     attn, mlp = model.layers[0].attn, model.layers[1].mlp
     attn.k_proj.weight = torch.nn.Parameter(torch.randn(attn.k_proj.weight.shape, generator=g))
@@ -592,15 +600,7 @@ def test_the_native_step_follows_weights_updated_in_place():
     a weight updated in place (a stacked q/k/v member, an unstacked down_proj, the output matrix, as
     an optimizer step does) is packed again on the next step, as the cached forward reads it."""
     model = _native_model("gqa")
-    prompt = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
-    token = torch.tensor([3])
-    with torch.inference_mode():
-        eager_cache, fixed_cache = model.new_cache(1, 24), model.new_cache(1, 24)
-        model(prompt, cache=eager_cache)
-        model(prompt, cache=fixed_cache)
-        step = FixedStep(model, fixed_cache, "native")
-        before = step(token)
-        model(token[:, None], cache=eager_cache)
+    step, eager_cache, token, before = _one_native_step(model)
     g = torch.Generator().manual_seed(9)
     with torch.no_grad():
         for w in (
