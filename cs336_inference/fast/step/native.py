@@ -125,9 +125,9 @@ def model_problem(model) -> str | None:
     return None
 
 
-def _product(layer, stamp: object = None) -> list[int]:
+def _product(layer, panels_too: bool, stamp: object = None) -> list[int]:
     """step.c's {format, O, groups, weight, scale, zero, bias} of a layer (or a stacked group, whose
-    members' weight versions are the stamp of its panels)."""
+    members' weight versions are the stamp of its panels); an fp32 one from its panels if panels_too."""
     bias = 0 if layer.bias is None else layer.bias.data_ptr()
     if isinstance(layer, QuantizedLinear):
         scale, zero = getattr(layer, "scale", None), getattr(layer, "zero", None)
@@ -138,7 +138,7 @@ def _product(layer, stamp: object = None) -> list[int]:
             0 if scale is None else scale.data_ptr(), 0 if zero is None else zero.data_ptr(), bias,
         ]  # fmt: skip
     w = layer.weight
-    if panels_on():
+    if panels_too:
         return [F32_PANELS, w.shape[0], 0, panels(w, stamp).data_ptr(), 0, 0, bias]
     code = F32_ROWS if w.is_contiguous() else F32_COLS if w.stride() == (1, w.shape[0]) else None
     if code is None:
@@ -146,13 +146,13 @@ def _product(layer, stamp: object = None) -> list[int]:
     return [code, w.shape[0], 0, w.data_ptr(), 0, 0, bias]
 
 
-def _stacked(first) -> list[int]:
+def _stacked(first, panels_too: bool) -> list[int]:
     """step.c's product of first's group, stacked again if a member's weight was replaced."""
     group = first.siblings
     if not group._shared():
         group._stack()
     members = [m.qweight if isinstance(m, QuantizedLinear) else m.weight for m in group.layers]
-    return _product(group.stacked, tuple(version(w) for w in members))
+    return _product(group.stacked, panels_too, tuple(version(w) for w in members))
 
 
 class NativeLayers:
@@ -185,7 +185,8 @@ class NativeLayers:
                         (block, part, name, "qweight" if isinstance(layer, QuantizedLinear) else "weight")
                     )
         self._rows, self._seen = torch.empty(0, dtype=torch.int64), None
-        for block in model.layers if not panels_on() else ():  # else: the layout the planner measured fastest
+        self.panels = panels_on()  # fp32 products from panels, decided once (else the planner's layout)
+        for block in model.layers if not self.panels else ():
             for layer in (block.attn.o_proj, block.mlp.down_proj):
                 if isinstance(layer, Linear):
                     settle(layer)
@@ -222,8 +223,8 @@ class NativeLayers:
             attn, mlp, (k, v) = block.attn, block.mlp, self._stores(i)
             rows += [block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr()]
             rows += [k.data_ptr(), v.data_ptr(), self.windows[i]]
-            rows += _stacked(attn.q_proj) + _product(attn.o_proj)
-            rows += _stacked(mlp.gate_proj) + _product(mlp.down_proj)
+            rows += _stacked(attn.q_proj, self.panels) + _product(attn.o_proj, self.panels)
+            rows += _stacked(mlp.gate_proj, self.panels) + _product(mlp.down_proj, self.panels)
         return torch.tensor(rows, dtype=torch.int64)
 
     def __call__(
@@ -274,7 +275,8 @@ class OutputHead:
         w = model.vocab_weight
         self.layer = w.layer if isinstance(w, PackedWeight) else None
         self.weight, self.ours_first = w, ours_first
-        if self.layer is None and ours_first and not panels_on():
+        self.panels = ours_first and panels_on()  # decided once, as NativeLayers
+        if self.layer is None and ours_first and not self.panels:
             settle(self)
 
     def __call__(self, h: Float[Tensor, "... D"]) -> Float[Tensor, "... V"]:
@@ -282,7 +284,7 @@ class OutputHead:
             return self.layer(h)
         y = None
         if self.ours_first:
-            y = linear_panels(h, self.weight) if panels_on() else linear_fp32(h, self.weight)
+            y = linear_panels(h, self.weight) if self.panels else linear_fp32(h, self.weight)
         if y is None:
             y = decode_linear(self, h)
         return F.linear(h, self.weight) if y is None else y
