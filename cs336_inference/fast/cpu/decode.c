@@ -781,19 +781,26 @@ void cs336_f32_cols(const float *x, i64 M, i64 I, i64 ldx, const float *wt, i64 
    panels is TP sequential streams of the weight. Tiles of TP panels x R rows of x, with AVX-512
    (32 registers): 4 x 1 for one row, 4 x 4, 4 x 6, then 3 x 8 (24 accumulators); AVX2 (16): 1 x 6
    (2 vectors a panel). Several row groups run one after another over a tile, whose weights are
-   then read from L2. The native steps (step.c, format 7) and OutputHead run their fp32 products
+   then read from L2; so that memory does not sit idle meanwhile, each group also prefetches its
+   share of the next tile's weights (nx, step bytes per input), spread evenly over the groups. The
+   16-row products of a SmolLM2 step take about 0.89x the time this way. The native steps (step.c, format 7) and OutputHead run their fp32 products
    this way; the layout is a second copy of the weight (fast/cpu/ops.panels). */
 
 #define PW 16
 #define NV (PW / VL) /* vectors per panel */
 #define PANEL_AHEAD 512 /* floats ahead in each panel's stream (2 KB) */
 #define DEF_PANEL_TILE(TP, R)                                                                                \
-    static void panel_tile_##TP##_##R(const float *wp, i64 I, const float *x, i64 ldx, float *s) {           \
+    static void panel_tile_##TP##_##R(const float *wp, i64 I, const float *x, i64 ldx, float *s, const char *nx,  \
+                                      i64 step) {                                                            \
         vf a[R][TP * NV];                                                                                    \
         for (int r = 0; r < R; r++)                                                                          \
             for (int v = 0; v < TP * NV; v++) a[r][v] = (vf){0};                                             \
         for (i64 i = 0; i < I; i++) {                                                                        \
             vf w[TP * NV];                                                                                   \
+            if (step) { /* the next tile, into L2 (gcc takes the test out of the loop) */                    \
+                __builtin_prefetch(nx + i * step, 0, 1);                                                     \
+                __builtin_prefetch(nx + i * step + 64, 0, 1);                                                \
+            }                                                                                                \
             for (int t = 0; t < TP; t++) {                                                                   \
                 const float *pt = wp + t * I * PW + i * PW;                                                  \
                 __builtin_prefetch(pt + PANEL_AHEAD);                                                        \
@@ -807,7 +814,7 @@ void cs336_f32_cols(const float *x, i64 M, i64 I, i64 ldx, const float *wt, i64 
         for (int r = 0; r < R; r++)                                                                          \
             for (int v = 0; v < TP * NV; v++) vstore(s + (r * TP * NV + v) * VL, a[r][v]);                   \
     }
-typedef void (*panel_fn)(const float *, i64, const float *, i64, float *);
+typedef void (*panel_fn)(const float *, i64, const float *, i64, float *, const char *, i64);
 #if VL == 16
 enum { PANEL_TP_MAX = 4, PANEL_R_MAX = 8 };
 DEF_PANEL_TILE(4, 1) DEF_PANEL_TILE(4, 2) DEF_PANEL_TILE(4, 3) DEF_PANEL_TILE(4, 4) DEF_PANEL_TILE(4, 5)
@@ -855,9 +862,13 @@ void cs336_f32_panels(const float *x, i64 M, i64 I, i64 ldx, const float *wp, i6
             i64 p0 = t * TP;
             int tp = panels - p0 < TP ? (int)(panels - p0) : TP;
             i64 o0 = p0 * PW, n = O - o0 < tp * PW ? O - o0 : tp * PW; /* the tile's real outputs */
-            for (i64 m = 0; m < M; m += RG) {
+            /* with several groups, each prefetches 1 / groups of the next tile (its panels of I lines) */
+            const i64 np = panels - p0 - tp < TP ? panels - p0 - tp : TP;
+            const char *nx = (const char *)(wp + (p0 + tp) * I * PW);
+            const i64 step = groups > 1 && np > 0 ? np * PW * 4 / groups : 0;
+            for (i64 m = 0, g = 0; m < M; m += RG, g++) {
                 int R = M - m < RG ? (int)(M - m) : RG;
-                PANEL_TILES[tp][R](wp + p0 * I * PW, I, x + m * ldx, ldx, s);
+                PANEL_TILES[tp][R](wp + p0 * I * PW, I, x + m * ldx, ldx, s, step ? nx + g * I * step : 0, step);
                 for (int r = 0; r < R; r++) {
                     float *yr = y + (m + r) * O + o0;
                     const float *sr = s + r * tp * PW;
