@@ -32,8 +32,10 @@ def test_the_engine_table_has_every_row_and_its_roofline():
         assert r["tokens_per_s"] == pytest.approx(r["sequences"] / r["step_ms"] * 1e3)
     engine3 = result["rows"][2]
     assert engine3["bytes_per_step"] > result["rows"][1]["bytes_per_step"] > result["weight_bytes"]
-    table = bench_engine.format_engine_table(result).splitlines()
+    table, _, note = bench_engine.format_engine_table(result).partition("\n\n")
+    table = table.splitlines()
     assert len(table) == 2 + 6 and all(line.count("|") == table[0].count("|") for line in table), table
+    assert note.startswith("roofline: read bandwidth") and "GB/s" in note, note
 
 
 def test_stored_bytes_counts_quantized_buffers_once():

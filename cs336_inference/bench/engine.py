@@ -17,8 +17,9 @@ Each row is the median of its timed steps after warm-up steps, rounds interleave
 that a machine's drift is shared; the ratio to one engine request is also given per round (its
 range in brackets), since a memory bandwidth that drifts moves one request's step far more than a
 compute-bound 16-request step. The roofline of a step is the bytes it must read (the weights
-plus the n sequences' K/V at their mean length, `accounting.decode_step_bytes`) over the measured
-read bandwidth of a buffer the size of the weights.
+plus the n sequences' K/V at their mean length, `accounting.decode_step_bytes`) over the read
+bandwidth of a buffer the size of the weights, measured at the start of every round (the median
+of the rounds; their range is reported, since it drifts on a shared machine).
 """
 
 from __future__ import annotations
@@ -131,8 +132,7 @@ def engine_benchmark(
     """
     install(model)
     weights = stored_bytes(model)
-    bandwidth = read_bandwidth(max(weights, 1 << 26))
-    log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s over {weights / 1e6:.0f} MB of weights")
+    bandwidths = []  # read bandwidth, one per round
     total = steps + 3 * rounds
     rows: dict[str, object] = {"stream": StreamSteps(model, prompt_len, total)}
     for n in sizes:
@@ -147,6 +147,7 @@ def engine_benchmark(
     per_round = -(-steps // rounds)
     steps_by_round: dict[str, list[list[float]]] = {name: [] for name in rows}
     for r in range(rounds):
+        bandwidths.append(read_bandwidth(max(weights, 1 << 26)))
         for name, row in rows.items():
             for _ in range(3):  # warm-up: caches, thread pools, layouts
                 row.step()
@@ -154,7 +155,7 @@ def engine_benchmark(
                 contexts[name].append(row.context())
                 times[name].append(row.step())
             steps_by_round[name].append(times[name][-per_round:])
-        log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{k} {rows[k].n / statistics.median(v):.1f}" for k, v in times.items()) + " tok/s")  # fmt: skip
+        log(f"  round {r + 1}/{rounds}: {bandwidths[-1] / 1e9:.1f} GB/s; " + ", ".join(f"{k} {rows[k].n / statistics.median(v):.1f}" for k, v in times.items()) + " tok/s")  # fmt: skip
     readable = {}
     if eager_sizes:
         uninstall(model)
@@ -165,6 +166,10 @@ def engine_benchmark(
                 row.step()
             readable[n] = [row.step() for _ in range(max(4, steps // 4))]
         install(model)
+    bandwidth = statistics.median(bandwidths)
+    log(
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s over {weights / 1e6:.0f} MB of weights (median of rounds)"
+    )
     results = []
     for name, row in rows.items():
         step_s = statistics.median(times[name])
@@ -202,8 +207,8 @@ def engine_benchmark(
                     for a, b in zip(by_round["engine 1"], by_round[r["name"]], strict=True)
                 ]
                 r["vs_engine_1_rounds"] = ratios
-    return dict(rows=results, weight_bytes=weights, read_bandwidth=bandwidth, prompt_len=prompt_len,
-                timed_steps=steps, rounds=rounds, threads=torch.get_num_threads())  # fmt: skip
+    return dict(rows=results, weight_bytes=weights, read_bandwidth=bandwidth, read_bandwidth_rounds=bandwidths,
+                prompt_len=prompt_len, timed_steps=steps, rounds=rounds, threads=torch.get_num_threads())  # fmt: skip
 
 
 def format_engine_table(result: dict) -> str:
@@ -221,4 +226,7 @@ def format_engine_table(result: dict) -> str:
             f"| {r['name']} | {r['sequences']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.1f} | {vs1} | "
             f"{r['vs_stream']:.2f} | {roof} |"
         )
+    bw = [b / 1e9 for b in result.get("read_bandwidth_rounds", [result["read_bandwidth"]])]
+    out += ["", f"roofline: read bandwidth {result['read_bandwidth'] / 1e9:.1f} GB/s over {result['weight_bytes'] / 1e6:.0f} MB "
+            f"(the weights' size), median of the rounds ({min(bw):.1f}-{max(bw):.1f})"]  # fmt: skip
     return "\n".join(out)
