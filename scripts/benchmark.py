@@ -458,12 +458,14 @@ def run_contention(args: argparse.Namespace) -> dict:
     from cs336_inference.bench import contention
 
     sizes = numbers(args.sizes, "--sizes")
-    if any(n < 1 for n in sizes) or args.steps < 1 or args.prompt_len < 1:
-        raise BenchmarkError("--sizes, --steps and --prompt-len must be >= 1")
+    if any(n < 1 for n in sizes) or min(args.steps, args.prompt_len, args.rounds) < 1:
+        raise BenchmarkError("--sizes, --steps, --prompt-len and --rounds must be >= 1")
     source = Path(args.model) if args.model else default_model_path()
     log(f"loading {source}")
     model = install(load_pretrained(source, dtype=torch.float32).eval())
-    result = contention.contention_benchmark(model, sizes, args.prompt_len, args.steps, log=log)
+    result = contention.contention_benchmark(
+        model, sizes, args.prompt_len, args.steps, rounds=args.rounds, log=log
+    )
     result["model"] = source.name
     result["table"] = contention.format_contention_table(result)
     return result
@@ -700,7 +702,8 @@ def main(argv: list[str] | None = None) -> int:
     con.add_argument("--model", help="checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     con.add_argument("--sizes", default="1,8", help="engine rows: numbers of requests decoding at once")
     con.add_argument("--prompt-len", type=int, default=64, help="prompt tokens")
-    con.add_argument("--steps", type=int, default=16, help="timed decode steps per row and phase")
+    con.add_argument("--steps", type=int, default=16, help="timed decode steps per row, phase and round")
+    con.add_argument("--rounds", type=int, default=3, help="idle / busy phases alternated this many times")
     con.add_argument("--out", type=Path, help="write the results as JSON here")
     tpp = sub.add_parser("tp", help="tensor parallelism: step time, communication, bytes per rank")
     tpp.add_argument("--tps", default="1,2", help="tensor-parallel sizes (comma-separated)")

@@ -3,6 +3,7 @@ workload, summary and (slow) a live run of two servers over HTTP."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import pytest
@@ -59,15 +60,19 @@ def test_the_burner_keeps_a_core_busy_and_is_stopped():
 
 
 def test_the_contention_table_measures_every_row_idle_and_busy():
-    result = contention.contention_benchmark(tiny_model(), [2], prompt_len=9, steps=3, burn_limit_s=60, log=lambda m: None)  # fmt: skip
+    result = contention.contention_benchmark(tiny_model(), [2], prompt_len=9, steps=3, burn_limit_s=60, rounds=3, log=lambda m: None)  # fmt: skip
     rows = result["rows"]
     assert set(rows) == {"CLI default (native, auto)", "native, all cores", "readable, auto", "engine 2, auto", "engine 2, all cores"}  # fmt: skip
     for name, r in rows.items():
-        assert r["idle"]["tokens_per_s"] > 0 and r["one core busy"]["tokens_per_s"] > 0, name
-        assert r["kept"] == pytest.approx(r["one core busy"]["tokens_per_s"] / r["idle"]["tokens_per_s"])
+        idle, busy = r["idle"]["tokens_per_s_rounds"], r["one core busy"]["tokens_per_s_rounds"]
+        assert len(idle) == len(busy) == 3 and min(idle + busy) > 0, (name, idle, busy)
+        assert r["idle"]["tokens_per_s"] == statistics.median(idle), name
+        assert r["kept_rounds"] == pytest.approx([b / i for i, b in zip(idle, busy, strict=True)]), name
+        assert r["kept"] == statistics.median(r["kept_rounds"]), name
         assert r["idle"]["threads"] >= 1
     assert rows["native, all cores"]["one core busy"]["threads"] == result["cores"]
-    assert len(contention.format_contention_table(result).splitlines()) == 2 + len(rows)
+    table = contention.format_contention_table(result).splitlines()
+    assert len(table) == 2 + len(rows) and all(line.endswith("%) |") for line in table[2:]), table
 
 
 def test_the_http_workload_is_text_of_the_asked_lengths():

@@ -13,6 +13,10 @@ with one core kept busy by a CPU-burning child process that the benchmark starts
     engine n, all    the same with one thread per core
 
 The thread count of an "auto" row is chosen again in each phase, as a fresh process would choose it.
+The phases alternate over `rounds` (idle, busy, idle, busy, ...), and each row's tokens/s is the
+median over the rounds: memory bandwidth drifts on a shared machine, and one idle pass measured
+minutes before its busy pass can be a third faster or slower. "kept" is the median of the rounds'
+busy / idle ratios, its range given beside it.
 """
 
 from __future__ import annotations
@@ -88,14 +92,15 @@ def contention_benchmark(
     prompt_len: int = 64,
     steps: int = 16,
     burn_limit_s: float = 1800.0,
+    rounds: int = 1,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Median decode tokens/s of every row (module docstring), idle and with one core busy."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     default_threads = torch.get_num_threads()
-    results = {}
-    for phase in ("idle", "one core busy"):
-        log(f"{phase}:")
+    runs: dict[str, dict[str, list]] = {}  # name -> phase -> [(threads, tokens/s) per round]
+    for r, phase in [(r, phase) for r in range(rounds) for phase in ("idle", "one core busy")]:
+        log(f"round {r + 1}/{rounds}, {phase}:")
         burner = Burner(burn_limit_s) if phase != "idle" else None
         if burner is not None:
             burner.__enter__()
@@ -109,16 +114,23 @@ def contention_benchmark(
                     row.step()
                 times = [row.step() for _ in range(steps)]
                 tok_s = row.n / statistics.median(times)
-                results.setdefault(name, {})[phase] = dict(threads=threads, tokens_per_s=tok_s)
+                runs.setdefault(name, {}).setdefault(phase, []).append((threads, tok_s))
                 log(f"  {name}: {threads} thread(s), {tok_s:.1f} tok/s")
         finally:
             if burner is not None:
                 burner.__exit__(None, None, None)
             torch.set_num_threads(default_threads)
             install(model)
-    for r in results.values():
-        r["kept"] = r["one core busy"]["tokens_per_s"] / r["idle"]["tokens_per_s"]
-    return dict(rows=results, cores=cores, prompt_len=prompt_len, timed_steps=steps)
+    results = {}
+    for name, phases in runs.items():
+        results[name] = {
+            phase: dict(threads=statistics.mode(t for t, _ in got), tokens_per_s=statistics.median(v for _, v in got),
+                        tokens_per_s_rounds=[v for _, v in got])
+            for phase, got in phases.items()
+        }  # fmt: skip
+        kept = [b / i for (_, i), (_, b) in zip(phases["idle"], phases["one core busy"], strict=True)]
+        results[name].update(kept=statistics.median(kept), kept_rounds=kept)
+    return dict(rows=results, cores=cores, prompt_len=prompt_len, timed_steps=steps, rounds=rounds)
 
 
 def format_contention_table(result: dict) -> str:
@@ -128,8 +140,10 @@ def format_contention_table(result: dict) -> str:
     ]
     for name, r in result["rows"].items():
         idle, busy = r["idle"], r["one core busy"]
+        k = r.get("kept_rounds", [])
+        spread = f" ({min(k):.0%}-{max(k):.0%})" if len(k) > 1 else ""
         out.append(
             f"| {name} | {idle['threads']} | {idle['tokens_per_s']:.1f} | {busy['threads']} | "
-            f"{busy['tokens_per_s']:.1f} | {r['kept']:.0%} |"
+            f"{busy['tokens_per_s']:.1f} | {r['kept']:.0%}{spread} |"
         )
     return "\n".join(out)
