@@ -618,6 +618,35 @@ def test_the_native_step_follows_weights_updated_in_place():
     assert (got - before).abs().max() > 0.1, "the updates did not change the logits: the test shows nothing"
 
 
+def test_panels_are_made_only_where_the_memory_allows(monkeypatch, capsys):
+    """The panels copy every fp32 weight: with less memory available than PANEL_MEMORY_SHARE needs,
+    the native step keeps one copy (row-/column-major products, still equal to the cached forward),
+    and says so once; CS336_KERNELS_PANELS=1 / 0 decide whatever the memory."""
+    from cs336_inference.fast.cpu import ops
+
+    model = _native_model("gqa")
+    need = ops.fp32_weight_bytes(model)
+    assert need == sum(p.numel() * 4 for p in model.parameters() if p.dim() == 2), "tied weights count once"
+    monkeypatch.delenv("CS336_KERNELS_PANELS", raising=False)
+    monkeypatch.setattr(ops, "available_memory", lambda: int(need / ops.PANEL_MEMORY_SHARE) - 1)
+    step, eager_cache, token, _ = _one_native_step(model)
+    assert not step.step.native.panels and not step.step.output.panels, "panels made without the memory"
+    with torch.inference_mode():
+        got, expected = step(token), model(token[:, None], cache=eager_cache)[:, -1]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    _one_native_step(model)
+    told = capsys.readouterr().err
+    assert told.count("not copied into panels") == 1, f"told {told.count('not copied into panels')} times"
+    monkeypatch.setattr(ops, "available_memory", lambda: int(need / ops.PANEL_MEMORY_SHARE))
+    assert ops.panels_on(need), "panels that fit refused"
+    monkeypatch.setattr(ops, "available_memory", lambda: 0)
+    monkeypatch.setenv("CS336_KERNELS_PANELS", "1")
+    assert ops.panels_on(need), "CS336_KERNELS_PANELS=1 overruled"
+    monkeypatch.setenv("CS336_KERNELS_PANELS", "0")
+    monkeypatch.setattr(ops, "available_memory", lambda: 1 << 50)
+    assert not ops.panels_on(need), "CS336_KERNELS_PANELS=0 overruled"
+
+
 def test_the_native_step_refuses_what_it_cannot_run_in_one_line(monkeypatch):
     from cs336_inference.fast.cpu import build
 

@@ -13,6 +13,7 @@ since a custom op's dispatch costs more than the call itself.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 
 import torch
@@ -83,9 +84,45 @@ PANEL = 16  # output rows per panel: decode.c's PW
 _panels = WeakIdKeyDictionary()  # weight -> (data pointer, version, its panels)
 
 
-def panels_on() -> bool:
-    """Whether the native steps run their fp32 products from panels (CS336_KERNELS_PANELS, on by default)."""
-    return build.switched_on("CS336_KERNELS_PANELS")
+PANEL_MEMORY_SHARE = 0.5  # panels are made only if their bytes fit in this share of the available memory
+_panels_refused: set[int] = set()  # sizes already warned about
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def panels_on(nbytes: int = 0) -> bool:
+    """Whether the native steps run their fp32 products from panels, a second copy of nbytes of weights:
+    CS336_KERNELS_PANELS=0 says never and =1 always; unset, only if nbytes fit in PANEL_MEMORY_SHARE of
+    the available memory (a large fp32 model would otherwise take twice its size; told once)."""
+    setting = os.environ.get("CS336_KERNELS_PANELS", "").strip()
+    if setting:
+        return build.switched_on("CS336_KERNELS_PANELS")
+    free = available_memory()
+    if free is None or nbytes <= PANEL_MEMORY_SHARE * free:
+        return True
+    if nbytes not in _panels_refused:
+        _panels_refused.add(nbytes)
+        print(f"cs336: fp32 weights not copied into panels: {nbytes / 2**30:.1f} GiB more, with "
+              f"{free / 2**30:.1f} GiB available (CS336_KERNELS_PANELS=1 copies them anyway)", file=sys.stderr)  # fmt: skip
+    return False
+
+
+def fp32_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's float32 matrices on the CPU: what panels of every product would copy."""
+    params = {id(p): p for p in model.parameters()}.values()
+    return sum(
+        p.numel() * 4 for p in params if p.dtype == torch.float32 and p.dim() == 2 and p.device.type == "cpu"
+    )
 
 
 def pack_panels(w: Float[Tensor, "O I"]) -> Float[Tensor, "P I 16"]:
