@@ -97,21 +97,27 @@ def test_the_chi_square_rejects_the_neighbouring_mistakes():
             )
 
 
+@pytest.mark.parametrize("wide", [None, 10], ids=["every value sorted", "10 largest sorted first"])
 @pytest.mark.parametrize("sort", ["numpy", "torch"], ids=["cpu sort", "torch.sort (other devices)"])
-def test_nucleus_equals_top_p_filter_token_for_token(sort, monkeypatch):
+def test_nucleus_equals_top_p_filter_token_for_token(sort, wide, monkeypatch):
     if sort == "torch":
         monkeypatch.setattr(sampler, "sorted_descending", lambda p: p.sort(dim=-1, descending=True).values)
+    if wide is not None:  # the partial sort (NUCLEUS_WIDE), then every value for the wider nuclei
+        monkeypatch.setattr(sampler, "NUCLEUS_WIDE", wide)
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(24, 1000, generator=g) * torch.linspace(0.2, 6.0, 24)[:, None]  # flat to peaked
     ps = torch.linspace(0.05, 0.995, 24)
     probs = logits.softmax(dim=-1)
     got = nucleus_mask(probs, ps)
+    widths = []
     for b in range(24):
         want = torch.isinf(top_p_filter(logits[b : b + 1], float(ps[b])))[0]
+        widths.append(int((~want).sum()))
         assert torch.equal(got[b], want), (
             f"row {b} (p={float(ps[b]):.3f}, {sort} sort): kept {int((~got[b]).sum())} tokens, "
-            f"top_p_filter keeps {int((~want).sum())}"
+            f"top_p_filter keeps {widths[-1]}"
         )
+    assert min(widths) < 10 <= max(widths), f"nuclei of {widths}: both sides of 10 should be among the cases"
 
 
 def test_a_nucleus_inside_the_slice_is_top_p_filters_token_for_token(monkeypatch):

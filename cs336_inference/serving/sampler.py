@@ -35,6 +35,7 @@ from torch import Tensor
 from cs336_inference.sampling import filter_logits
 
 NUCLEUS_SLICE = 256  # the most likely tokens a row's nucleus is looked for in before the whole row
+NUCLEUS_WIDE = 4096  # then the most likely tokens sorted before every value is
 
 
 def sorted_descending(probs: Float[Tensor, "B V"]) -> Float[Tensor, "B V"]:
@@ -59,12 +60,31 @@ def nucleus_mask(probs: Float[Tensor, "B V"], top_p: Float[Tensor, " B"]) -> tor
     From the sorted values alone: the first r ranks are kept (the mass above rank r - 1 is below
     p, above rank r it is not), so every token larger than the r-th value v is kept, and of the
     tokens equal to v, as many as rank r still needs (the first ones; top_p_filter keeps any)."""
-    vals = sorted_descending(probs)
-    r = kept_ranks(vals, top_p)[:, None]  # >= 1: nothing is above the first
+    vals = largest_sorted(probs, NUCLEUS_WIDE)
+    r = kept_ranks(vals, top_p)
+    wider = r >= vals.shape[-1]  # rows whose nucleus may reach past the values sorted
+    if wider.any():
+        vals = sorted_descending(probs)
+        r = kept_ranks(vals, top_p)
+    r = r[:, None]  # >= 1: nothing is above the first
     v = vals.gather(-1, r - 1)
     larger, tied = probs > v, probs == v
-    keep = larger | (tied & (tied.cumsum(dim=-1) <= r - larger.sum(dim=-1, keepdim=True)))
+    need = r - larger.sum(dim=-1, keepdim=True)  # how many of the ties the nucleus still takes
+    keep = probs >= v  # every tie, where they all fit (the usual case: the r-th value alone)
+    split = (tied.sum(dim=-1, keepdim=True) > need)[:, 0]
+    if split.any():  # ties across the edge: the first ones
+        keep[split] = larger[split] | (tied[split] & (tied[split].cumsum(dim=-1) <= need[split]))
     return ~keep
+
+
+def largest_sorted(probs: Float[Tensor, "B V"], k: int) -> Float[Tensor, "B C"]:
+    """Each row's k largest values, largest first (C = min(k, V)): the first k of sorted_descending,
+    found by a partition, then a sort of those k alone."""
+    V = probs.shape[-1]
+    if k >= V or probs.device.type != "cpu":
+        return sorted_descending(probs)[:, :k]
+    top = np.partition(probs.numpy(), V - k, axis=-1)[:, V - k :]
+    return torch.from_numpy(np.ascontiguousarray(np.sort(top, axis=-1)[:, ::-1]))
 
 
 def nucleus_slice(
