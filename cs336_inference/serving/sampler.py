@@ -10,7 +10,8 @@ softmax(filter_logits(row, T, k, p)), is drawn with one uniform number per row (
     top-k                  one topk for the largest k among the rows, each row keeping its first k
     top-p                  the nucleus from the row's NUCLEUS_SLICE most likely tokens (one topk),
                            and the draw among them; a row whose nucleus is wider than that: from its
-                           sorted values (a threshold and a count of ties, no sorted indices)
+                           NUCLEUS_WIDE largest values sorted (a partition first), or else all of
+                           them (a threshold and a count of ties, no sorted indices)
     draw                   u ~ U[0, 1) per row, the first token whose cumulative mass exceeds u times
                            the row's total (float64 sums; a token of zero probability is never drawn)
 
