@@ -62,13 +62,13 @@ def nucleus_mask(probs: Float[Tensor, "B V"], top_p: Float[Tensor, " B"]) -> tor
     p, above rank r it is not), so every token larger than the r-th value v is kept, and of the
     tokens equal to v, as many as rank r still needs (the first ones; top_p_filter keeps any)."""
     vals = largest_sorted(probs, NUCLEUS_WIDE)
-    r = kept_ranks(vals, top_p)
-    wider = r >= vals.shape[-1]  # rows whose nucleus may reach past the values sorted
-    if wider.any():
-        vals = sorted_descending(probs)
-        r = kept_ranks(vals, top_p)
-    r = r[:, None]  # >= 1: nothing is above the first
+    r = kept_ranks(vals, top_p)[:, None]  # >= 1: nothing is above the first
     v = vals.gather(-1, r - 1)
+    wider = (r >= vals.shape[-1])[:, 0] if vals.shape[-1] < probs.shape[-1] else None
+    if wider is not None and wider.any():  # nuclei that may reach past the values sorted: every value
+        every = sorted_descending(probs[wider])
+        r[wider] = kept_ranks(every, top_p[wider])[:, None]
+        v[wider] = every.gather(-1, r[wider] - 1)
     larger, tied = probs > v, probs == v
     need = r - larger.sum(dim=-1, keepdim=True)  # how many of the ties the nucleus still takes
     keep = probs >= v  # every tie, where they all fit (the usual case: the r-th value alone)
