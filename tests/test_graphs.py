@@ -621,7 +621,8 @@ def test_the_native_step_follows_weights_updated_in_place():
 def test_panels_are_made_only_where_the_memory_allows(monkeypatch, capsys):
     """The panels copy every fp32 weight: with less memory available than PANEL_MEMORY_SHARE needs,
     the native step keeps one copy (row-/column-major products, still equal to the cached forward),
-    and says so once; CS336_KERNELS_PANELS=1 / 0 decide whatever the memory."""
+    and says so once; the choice holds for every later step of the model; CS336_KERNELS_PANELS=1 / 0
+    decide whatever the memory."""
     from cs336_inference.fast.cpu import ops
 
     model = _native_model("gqa")
@@ -634,11 +635,17 @@ def test_panels_are_made_only_where_the_memory_allows(monkeypatch, capsys):
     with torch.inference_mode():
         got, expected = step(token), model(token[:, None], cache=eager_cache)[:, -1]
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    _one_native_step(model)
+    monkeypatch.setattr(ops, "available_memory", lambda: 1 << 50)
+    again, *_ = _one_native_step(model)
+    assert not again.step.native.panels, "decided again for the same model: its products, and bits, switched"
     told = capsys.readouterr().err
     assert told.count("not copied into panels") == 1, f"told {told.count('not copied into panels')} times"
+    other = _native_model("gqa", seed=1)  # panels that fit, then the memory they took is gone
+    assert _one_native_step(other)[0].step.native.panels, "panels that fit refused"
+    monkeypatch.setattr(ops, "available_memory", lambda: 0)
+    assert _one_native_step(other)[0].step.output.panels, "a later step of the same model dropped its panels"
     monkeypatch.setattr(ops, "available_memory", lambda: int(need / ops.PANEL_MEMORY_SHARE))
-    assert ops.panels_on(need), "panels that fit refused"
+    assert ops.panels_on(need), "panels that just fit refused"
     monkeypatch.setattr(ops, "available_memory", lambda: 0)
     monkeypatch.setenv("CS336_KERNELS_PANELS", "1")
     assert ops.panels_on(need), "CS336_KERNELS_PANELS=1 overruled"

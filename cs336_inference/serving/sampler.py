@@ -79,11 +79,11 @@ def nucleus_mask(probs: Float[Tensor, "B V"], top_p: Float[Tensor, " B"]) -> tor
 
 
 def largest_sorted(probs: Float[Tensor, "B V"], k: int) -> Float[Tensor, "B C"]:
-    """Each row's k largest values, largest first (C = min(k, V)): the first k of sorted_descending,
-    found by a partition, then a sort of those k alone."""
+    """Each row's k largest values, largest first: the first k of sorted_descending, found by a
+    partition, then a sort of those k alone (C = k; every value, C = V, if k >= V or off the CPU)."""
     V = probs.shape[-1]
     if k >= V or probs.device.type != "cpu":
-        return sorted_descending(probs)[:, :k]
+        return sorted_descending(probs)
     top = np.partition(probs.numpy(), V - k, axis=-1)[:, V - k :]
     return torch.from_numpy(np.ascontiguousarray(np.sort(top, axis=-1)[:, ::-1]))
 

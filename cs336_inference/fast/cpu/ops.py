@@ -117,6 +117,20 @@ def panels_on(nbytes: int = 0) -> bool:
     return False
 
 
+_fits = WeakIdKeyDictionary()  # model -> whether its panels fit the memory, decided on its first step
+
+
+def model_panels_on(model: torch.nn.Module) -> bool:
+    """panels_on for all of a model's fp32 weights. Where memory decides, it decides once per model: a
+    later step (another shape, the engine's) must not find less memory because the panels were made,
+    and switch products, and so bits, midway."""
+    if os.environ.get("CS336_KERNELS_PANELS", "").strip():
+        return panels_on()
+    if model not in _fits:
+        _fits[model] = panels_on(fp32_weight_bytes(model))
+    return _fits[model]
+
+
 def fp32_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's float32 matrices on the CPU: what panels of every product would copy."""
     params = {id(p): p for p in model.parameters()}.values()

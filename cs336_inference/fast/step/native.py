@@ -45,11 +45,10 @@ from cs336_inference.fast.cpu import build
 from cs336_inference.fast.cpu.ops import (
     A8_CODE,
     FORMAT_CODES,
-    fp32_weight_bytes,
     linear_fp32,
     linear_panels,
+    model_panels_on,
     panels,
-    panels_on,
     version,
 )
 from cs336_inference.fast.layers import readable_type
@@ -187,7 +186,7 @@ class NativeLayers:
                     )
         self._rows, self._seen = torch.empty(0, dtype=torch.int64), None
         # fp32 products from panels, decided once (else the planner's layout)
-        self.panels = panels_on(fp32_weight_bytes(model))
+        self.panels = model_panels_on(model)
         for block in model.layers if not self.panels else ():
             for layer in (block.attn.o_proj, block.mlp.down_proj):
                 if isinstance(layer, Linear):
@@ -277,7 +276,7 @@ class OutputHead:
         w = model.vocab_weight
         self.layer = w.layer if isinstance(w, PackedWeight) else None
         self.weight, self.ours_first = w, ours_first
-        self.panels = ours_first and panels_on(fp32_weight_bytes(model))  # decided once, as NativeLayers
+        self.panels = ours_first and model_panels_on(model)  # decided once, as NativeLayers
         if self.layer is None and ours_first and not self.panels:
             settle(self)
 
