@@ -163,12 +163,13 @@ def test_a_token_of_zero_probability_is_never_drawn():
     assert (drawn != 1).all(), "a -inf logit (a grammar's mask) was drawn"
 
 
-@pytest.mark.parametrize("slice_size", [256, 1])
+@pytest.mark.parametrize("slice_size", [256, 0], ids=["nucleus in the slice", "nucleus over the whole row"])
 @pytest.mark.parametrize("u", [0.0, 1.0 - 2.0**-53, 1.0], ids=["u=0", "u=1-eps", "u*total rounded up"])
 def test_the_ends_of_the_uniform_draw_a_possible_token(u, slice_size, monkeypatch):
     """u = 0 must skip leading tokens of zero probability, and u just below 1 must not run past the
     last possible token into trailing ones (or past the end), even where u * total rounds up to total
     (u = 1 here)."""
+    monkeypatch.setattr(sampler, "NUCLEUS_SLICE", slice_size)  # 0: row 2's one-token nucleus is "wider"
     monkeypatch.setattr(
         sampler.torch, "rand", lambda *shape, **kw: torch.full(shape, u, dtype=kw.get("dtype"))
     )
