@@ -782,10 +782,9 @@ void cs336_f32_cols(const float *x, i64 M, i64 I, i64 ldx, const float *wt, i64 
    (32 registers): 4 x 1 for one row, 4 x 4, 4 x 6, then 3 x 8 (24 accumulators); AVX2 (16): 1 x 6
    (2 vectors a panel). Several row groups run one after another over a tile, whose weights are
    then read from L2; so that memory does not sit idle meanwhile, each group also prefetches its
-   share of the next tile's weights (nx, step bytes per input), spread evenly over the groups (the
-   121 fp32 products of a SmolLM2 step at 16 rows: about 0.89x the time; AMD EPYC Zen 5, 2 threads,
-   2026-11-27). The native steps (step.c, format 7) and OutputHead run their fp32 products this way;
-   the layout is a second copy of the weight (fast/cpu/ops.panels). */
+   share of the next tile's weights (nx, step bytes per input), spread evenly over the groups. The
+   native steps (step.c, format 7) and OutputHead run their fp32 products this way; the layout is a
+   second copy of the weight (fast/cpu/ops.panels). */
 
 #define PW 16
 #define NV (PW / VL) /* vectors per panel */

@@ -52,24 +52,33 @@ def _rows(x: Tensor, d_in: int, needs_grad: bool, max_rows: int = MAX_ROWS) -> t
     return (x, M, ldx) if 1 <= M <= max_rows else None
 
 
+def _fp32_operands(x: Tensor, weight: Tensor, bias: Tensor | None, max_rows: int = MAX_ROWS):
+    """(the kernels' library, _rows(x)) where x W^T + b can run on them in float32 on the CPU, else None."""
+    lib = build.library()
+    if lib is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    rows = _rows(
+        x, weight.shape[1], weight.requires_grad or (bias is not None and bias.requires_grad), max_rows
+    )
+    return None if rows is None else (lib, rows)
+
+
 def linear_fp32(
     x: Float[Tensor, "... I"], weight: Float[Tensor, "O I"], bias: Tensor | None = None
 ) -> Float[Tensor, "... O"] | None:
     """x W^T + b with W row-major ([O, I] contiguous) or column-major (W^T contiguous); None: not handled."""
-    lib = build.library()
-    if lib is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    operands = _fp32_operands(x, weight, bias)
+    if operands is None:
         return None
+    lib, rows = operands
     d_out, d_in = weight.shape
-    rows = _rows(x, d_in, weight.requires_grad or (bias is not None and bias.requires_grad))
-    if rows is None:
-        return None
     if weight.is_contiguous():
         fn = lib.cs336_f32_rows
     elif weight.stride() == (1, d_out):
         fn = lib.cs336_f32_cols
     else:
-        return None
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
     if torch.compiler.is_compiling():
         return _compiled_ops().linear_f32(x, weight, bias)
@@ -82,8 +91,6 @@ def linear_fp32(
 
 PANEL = 16  # output rows per panel: decode.c's PW
 _panels = WeakIdKeyDictionary()  # weight -> (data pointer, version, its panels)
-
-
 PANEL_MEMORY_SHARE = 0.5  # panels are made only if their bytes fit in this share of the available memory
 _panels_refused: set[int] = set()  # sizes already warned about
 
@@ -167,16 +174,11 @@ def linear_panels(
     x: Float[Tensor, "... I"], weight: Float[Tensor, "O I"], bias: Tensor | None = None
 ) -> Float[Tensor, "... O"] | None:
     """x W^T + b from W's panels (any number of rows); None where linear_fp32 would not run either."""
-    lib = build.library()
-    if lib is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    operands = _fp32_operands(x, weight, bias, max_rows=1 << 62)
+    if operands is None or torch.compiler.is_compiling():
         return None
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        return None
+    lib, (x2, M, ldx) = operands
     d_out, d_in = weight.shape
-    rows = _rows(x, d_in, weight.requires_grad, max_rows=1 << 62)
-    if rows is None or torch.compiler.is_compiling():
-        return None
-    x2, M, ldx = rows
     y = torch.empty(*x.shape[:-1], d_out)
     lib.cs336_f32_panels(x2.data_ptr(), M, d_in, ldx, panels(weight).data_ptr(), d_out,
                          bias if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())  # fmt: skip

@@ -20,7 +20,9 @@ BLAS keep reading W as [O, I]. Several rows multiply faster from panels than fro
 (nothing is summed across lanes at the end, and each panel is one sequential stream; the engine's
 16-request step gains most), and a row's result is one fma chain per output whatever the rows,
 threads or vector width.
-CS336_KERNELS_PANELS=0 keeps the row- or column-major weights (no copy), as the planner stores them.
+The copy is made only where the model's fp32 weights fit in half of the available memory, decided
+once per model (ops.model_panels_on); CS336_KERNELS_PANELS=0 keeps the row- or column-major weights
+(no copy), as the planner stores them, and =1 makes panels whatever the memory.
 
 Weights are read through their data pointers. Each call compares the data pointers and version
 counters of the weights a step reads (270 for SmolLM2), looked up from the blocks by name, with the
