@@ -457,15 +457,18 @@ def _batch(data, wins: Tensor, rows: list[int], T: int, device) -> tuple[Tensor,
 
 def draft_losses(
     head: DraftHead, x, prev, want, y, unroll: int, noise: float = 0.0, generator=None
-) -> tuple[Tensor, Tensor, list[Float[Tensor, "B T Vd"]]]:
-    """(feature loss, token loss, logits per unrolled pass) of a batch; labels -1 and labels outside
-    the head's vocabulary count in neither loss."""
+) -> tuple[Tensor, Tensor, list[Float[Tensor, "M Vd"]]]:
+    """(feature loss, token loss, logits per unrolled pass at the M positions with a label y >= 0) of
+    a batch; labels -1 count in neither loss, labels outside the head's vocabulary only in the feature
+    loss. The readout runs only at those M positions: most of a window is the prompt before the answer."""
     mapped = y
     if head.vocab_ids is not None:
         lookup = torch.full((head.config.vocab_size,), -1, dtype=torch.long, device=y.device)
         lookup[head.vocab_ids] = torch.arange(len(head.vocab_ids), device=y.device)
         mapped = torch.where(y >= 0, lookup[y.clamp(min=0)], y)
-    valid = (y >= 0)[..., None]
+    valid = y >= 0
+    at = valid.nonzero(as_tuple=True)
+    counted = mapped[at]
     feats = (
         prev if noise == 0 else prev + noise * torch.randn(prev.shape, generator=generator).to(prev.device)
     )
@@ -473,11 +476,11 @@ def draft_losses(
     all_logits = []
     for _ in range(unroll):
         g = head(x, feats)
-        logits = head.logits(g)
+        logits = head.logits(g[at])
         all_logits.append(logits)
-        diff = F.smooth_l1_loss(g, want, reduction="none") * valid
+        diff = F.smooth_l1_loss(g, want, reduction="none") * valid[..., None]
         f_loss = f_loss + diff.sum() / (valid.sum() * g.shape[-1]).clamp(min=1)
-        t_loss = t_loss + F.cross_entropy(logits.flatten(0, 1).float(), mapped.flatten(), ignore_index=-1)
+        t_loss = t_loss + F.cross_entropy(logits.float(), counted, ignore_index=-1)
         feats = torch.cat([prev[:, :1], g[:, :-1]], dim=1)  # the next pass reads the head's own g_{j-1}
     return f_loss / unroll, t_loss / unroll, all_logits
 
@@ -495,10 +498,10 @@ def held_out_acceptance(head: DraftHead, data, wins: Tensor, T: int, unroll: int
         rows = list(range(start, min(start + batch, len(wins))))
         x, prev, want, y = _batch(data, wins, rows, T, device)
         _, _, logits = draft_losses(head, x, prev, want, y, unroll)
-        valid = y >= 0
+        labels = y[y >= 0]
         for u, lg in enumerate(logits):
-            hits[u] += int(((head.token_ids(lg.argmax(-1)) == y) & valid).sum())
-        n += int(valid.sum())
+            hits[u] += int((head.token_ids(lg.argmax(-1)) == labels).sum())
+        n += len(labels)
     head.train(was)
     return {f"accept_depth{u + 1}": hits[u] / max(n, 1) for u in range(unroll)}
 
