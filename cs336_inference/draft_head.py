@@ -38,6 +38,10 @@ from .layers import Linear, RMSNorm, rope_tables
 from .model import TransformerBlock, TransformerLM
 
 CONFIG_NAME, WEIGHTS_NAME = "draft_head.json", "draft_head.safetensors"
+# HeadDraft's prompt lookup: matches of LOOKUP_N[0] tokens down to LOOKUP_N[1]. A one-token match
+# predicts little: on the speculative benchmark's code-editing and rewriting prompts about one copy
+# in twelve drawn from it had its first token accepted. A match of COPY_RUN tokens is a copy under way
+LOOKUP_N, COPY_RUN = (3, 2), 6
 DEFAULT_HEAD_DIR = Path("runs/draft-head")  # where scripts/train_draft.py puts SmolLM2's head
 
 
@@ -203,18 +207,23 @@ class HeadDraft:
     their true features (x_j, h_{j-1}), one head pass, whose last output g drafts the first tokens;
     then it drafts level by level down `shape` (a speculative_tree.TreeShape, or an int k for a chain),
     each level one head pass over the new nodes with their parents' g as features, attending to the
-    head's cached context and to each node's own ancestors. The head's cache then drops the nodes
-    (the next round feeds the accepted ones again, with the target's features).
+    head's cached context and to each node's own ancestors (a level below a branching goes in again
+    with the nodes before it, so that no pass's input must miss a cached step). The head's cache then
+    drops the nodes (the next round feeds the accepted ones again, with the target's features).
+    `fast.install(head)` runs the passes' decoder layer in C (fast/step/head.py).
 
     adaptive: each round the depth of the tree is chosen by `speculative_tree.AdaptiveDepth` from the
     measured acceptance per depth and the measured cost of drafting and verifying each depth;
     depth 0 (no drafts: a plain decode step) is among the choices.
-    lookup: prompt lookup first (speculative.prompt_lookup, n = 3 down to 1): where the context's
-    tail occurred before, the round drafts the tokens that followed it as a chain with one-hot p
-    instead of the head's tree (a copy runs long, and a chain's verify pass is cheaper than a
-    tree's): up to copy_depth of them (default: the shape's depth), or with `adaptive` as many as a
-    second AdaptiveDepth over chains chooses (its own acceptance and costs: copying and the head
-    succeed on different text; 0 leaves the round to the head).
+    lookup: prompt lookup first (speculative.prompt_lookup, n = 3 down to 2: LOOKUP_N): where the
+    context's tail occurred before, the round drafts the tokens that followed it as a chain with
+    one-hot p instead of the head's tree (a copy runs long, and a chain's verify pass is cheaper
+    than a tree's): up to copy_depth of them (default: the shape's depth), or with `adaptive` as
+    many as an AdaptiveDepth over chains chooses, one for each length n of the match (copying and
+    the head succeed on different text, and a match of two tokens is weaker evidence of a copy than
+    one of three; 0 leaves the round to the head). Where the context's last COPY_RUN tokens occurred
+    before, a copy is under way and the round drafts all lookup found (up to copy_depth): copies come
+    in runs, which the chooser's averages would follow only a level at a time.
     `HeadDraft.auto(head)` is what `generate.py --draft head` runs.
     """
 
@@ -237,9 +246,11 @@ class HeadDraft:
         self.max_depth = max(self.shape.depth, self.copy_depth)
         self.max_nodes = len(self.shape) + (self.copy_depth if lookup else 0)
         self.adaptive = AdaptiveDepth(self.shape) if adaptive else None
-        # with both, copying has a choice of its own: how many of the tokens lookup found to draft
-        self.copying = AdaptiveDepth(TreeShape.chain(self.copy_depth)) if adaptive and lookup else None
-        self.choosers = [c for c in (self.adaptive, self.copying) if c is not None]
+        # with both, copying has choices of its own: how many of the tokens lookup found to draft,
+        # for a match of n tokens (copiers[LOOKUP_N[0] - n])
+        n_copiers = LOOKUP_N[0] - LOOKUP_N[1] + 1 if adaptive and lookup else 0
+        self.copiers = [AdaptiveDepth(TreeShape.chain(self.copy_depth)) for _ in range(n_copiers)]
+        self.choosers = [c for c in (self.adaptive, *self.copiers) if c is not None]
         self.drafter = None
         self.model = None  # not a TransformerLM draft (speculative._check_args)
 
@@ -301,10 +312,15 @@ class HeadDraft:
         if self.lookup:
             from .speculative import prompt_lookup
 
-            found = prompt_lookup(context.tolist(), min(budget, self.copy_depth), 3, 1)
-            if found and self.copying is not None:
-                found = found[: self.copying.choose()]
-                self.drafter = self.copying
+            tail, found, k = context.tolist(), [], min(budget, self.copy_depth)
+            for match in range(LOOKUP_N[0], LOOKUP_N[1] - 1, -1):  # the longest match wins
+                found = prompt_lookup(tail, k, match, match)
+                if found:
+                    break
+            if found and self.copiers:
+                self.drafter = self.copiers[LOOKUP_N[0] - match]
+                if not (match == LOOKUP_N[0] and prompt_lookup(tail, k, COPY_RUN, COPY_RUN)):
+                    found = found[: self.drafter.choose()]  # (a copy under way drafts all it found)
             if found:  # the continuation alone, a chain of deterministic drafts (p one-hot)
                 chain = torch.tensor([int(context[-1]), *found], device=device)
                 p = None
@@ -365,14 +381,21 @@ class HeadDraft:
                 new += children
             if not any(shape.kids[c] for c in new):
                 break
-            # one head pass over the new nodes: their parents' g as features, ancestors visible
-            feats = torch.stack([gs[shape.parents[c]] for c in new])[None]
-            depth_of = torch.tensor([len(shape.nodes[c]) - 1 for c in new], device=device)
+            # one head pass over the new nodes: their parents' g as features, ancestors visible. Where
+            # a node fed before is not an ancestor of every new one, the pass feeds the level again
+            # with the nodes before it (their K/V once more), so that a pass's inputs see every step
+            # before it: the form the native layer runs (fast/step/head.py)
+            feed = new
+            if not bool(ancestors[new][:, fed_nodes].all()):
+                self.cache.truncate(self.fed)
+                feed, fed_nodes = fed_nodes + new, []
+            feats = torch.stack([gs[shape.parents[c]] for c in feed])[None]
+            depth_of = torch.tensor([len(shape.nodes[c]) - 1 for c in feed], device=device)
             start = self.cache.pos  # nodes go after the context steps and the nodes fed before
-            out = head(tokens[new][None], feats, cache=self.cache, depth=depth_of + (n - 1 - start),
-                       tree=ancestors[new][:, fed_nodes + new], tree_start=n - 1)[0]  # fmt: skip
-            gs.update(zip(new, out, strict=True))
-            fed_nodes += new
+            out = head(tokens[feed][None], feats, cache=self.cache, depth=depth_of + (n - 1 - start),
+                       tree=ancestors[feed][:, fed_nodes + feed], tree_start=n - 1)[0]  # fmt: skip
+            gs.update(zip(new, out[len(feed) - len(new) :], strict=True))
+            fed_nodes += feed
             level = new
         self.cache.truncate(self.fed)
         return shape.drafted(tokens, drawn, probs)

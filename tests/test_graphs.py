@@ -673,3 +673,29 @@ def test_the_native_step_refuses_what_it_cannot_run_in_one_line(monkeypatch):
     monkeypatch.setattr(build, "library", lambda: None)
     with pytest.raises(ValueError, match="C kernels are not built"):
         FixedStep(model, model.new_cache(1, 8), "native")
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "int8"])
+def test_native_step_refuses_more_rows_than_its_kernels_hold(fmt):
+    """The quantized kernels keep at most MAX_ROWS rows' sums on their stacks: a native step of more
+    rows (a tree of 33 or more nodes) is a one-line ValueError, not a write past them."""
+    from cs336_inference.fast.cpu import build
+    from cs336_inference.fast.cpu.ops import MAX_ROWS
+    from cs336_inference.fast.step.fuse import fuse_siblings
+    from cs336_inference.fast.step.native import NativeLayers
+    from cs336_inference.quantization import quantize_model
+
+    if build.library() is None:
+        pytest.skip("the C kernels are not built here")
+    model = quantize_model(tiny("gqa"), fmt)
+    fuse_siblings(model)
+    cache = model.new_cache(1, 64)
+    layers = NativeLayers(model, cache)
+    T, cfg = MAX_ROWS + 1, model.config
+    x = torch.zeros(1, T, cfg.d_model)
+    cos, sin = model.rope_cos[:T][None], model.rope_sin[:T][None]
+    pad = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match=f"up to {MAX_ROWS} rows"):
+        layers(x, cos, sin, torch.arange(T), pad)
+    out = layers(x[:, :MAX_ROWS], cos[:, :MAX_ROWS], sin[:, :MAX_ROWS], torch.arange(MAX_ROWS), pad)
+    assert out.shape == (1, MAX_ROWS, cfg.d_model), f"{fmt}: {MAX_ROWS} rows gave {tuple(out.shape)}"

@@ -505,6 +505,64 @@ def test_fixed_step_tree_pass_equals_the_readable_one(mode, variant):
         check_tokens(f"{mode}, {name}", got, expected)
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "q8_0"])
+def test_native_head_passes_equal_the_readable_ones(fmt):
+    """fast.install(head): its cached passes with the layer in one C call (fast/step/head.py) give the
+    readable head's g and cache, for a catch-up pass, a chain step and tree levels (fresh, and with
+    nodes before them that every input sees); a level whose inputs must not see a node fed before
+    runs the readable forward."""
+    from cs336_inference.draft_head import DraftHead as Readable
+    from cs336_inference.fast import install
+    from cs336_inference.fast.cpu import build
+
+    if build.library() is None:
+        pytest.skip("the C kernels are not built here")
+    target = tiny_model("gqa")
+    head = e2e_head(target)
+    if fmt == "q8_0":
+        head.quantize("q8_0")
+    install(head)
+    assert type(head).__name__ == "FastDraftHead", f"install made a {type(head).__name__}"
+    ids = prompt(12, 6)
+    with torch.no_grad():
+        _, h = target(ids[None], return_hidden=True)
+    fast_cache, ref_cache = head.new_cache(32), head.new_cache(32)
+    # four nodes under a root: nodes 0 and 1 its children, node 2 under 0, node 3 under 1
+    mask = tree_mask(torch.tensor([-1, 0, 0, 1, 2]))[1:, 1:]
+
+    def both(name, tokens, feats, **tree):
+        with torch.inference_mode():
+            got = head(tokens[None], feats[None], cache=fast_cache, **tree)[0]
+            want = Readable.forward(head, tokens[None], feats[None], cache=ref_cache, **tree)[0]
+        assert torch.allclose(got, want, atol=1e-4), (
+            f"{fmt}, {name}: g differs from the readable head's by {float((got - want).abs().max()):.1e}"
+        )
+        n = ref_cache.pos
+        assert fast_cache.pos == n, f"{fmt}, {name}: cache at {fast_cache.pos}, expected {n}"
+        got_kv, want_kv = fast_cache.layers[0], ref_cache.layers[0]
+        for a, b in ((got_kv.k, want_kv.k), (got_kv.v, want_kv.v)):
+            assert torch.allclose(a[:, :, :n], b[:, :, :n], atol=1e-4), f"{fmt}, {name}: cached K/V differ"
+        return got
+
+    g = both("catch-up", ids[1:10], h[0, :9])
+    with torch.inference_mode():
+        assert head._native(fast_cache) is not None, f"{fmt}: the native layer does not run this head"
+    g1 = both("chain step", ids[10:11], g[-1:])
+    start = ref_cache.pos
+    depth = torch.tensor([0, 0])
+    lvl = both(
+        "tree level", ids[3:5], torch.stack([g1[0], g1[0]]), depth=depth, tree=mask[:2, :2], tree_start=start
+    )
+    # the next level: node 2 sees node 0 but not node 1, so the readable forward runs it
+    both("level with a hidden node", ids[5:6], lvl[:1], depth=torch.tensor([1]) - 2, tree=mask[2:3, :3],
+         tree_start=start)  # fmt: skip
+    for c in (fast_cache, ref_cache):
+        c.truncate(start)
+    # fed again from the tree's start, as HeadDraft does: every node in one pass
+    feats = torch.stack([g1[0], g1[0], lvl[0], lvl[1]])
+    both("level fed again", ids[3:7], feats, depth=torch.tensor([0, 0, 1, 1]), tree=mask, tree_start=start)
+
+
 def test_head_with_prompt_lookup_greedy_equals_generate():
     from tests.test_speculative import repetitive_prompt
 
@@ -550,15 +608,54 @@ def test_head_auto_copying_has_its_own_choice():
     drafter = HeadDraft(head, SMALL_TREE, adaptive=True, lookup=True)
     got, stats = tree_generate(target, drafter, ids, 40, return_stats=True, stop_token_ids=[])
     check_tokens("head-auto on a repetitive prompt", got, generate(target, ids, 40, stop_token_ids=[]))
-    copying, trees = drafter.copying, drafter.adaptive
-    assert copying.seen[1] and copying.seconds[0] is not None, (
+    trees = drafter.adaptive
+    copying = [c for c in drafter.copiers if c.seen[1]]
+    assert copying and all(c.seconds[0] is not None for c in drafter.copiers), (
         "lookup's chains were not recorded as copying's"
     )
-    chains = sum(copying.accepted[1:]) + sum(copying.reached[1:])
+    chains = sum(sum(c.accepted[1:]) + sum(c.reached[1:]) for c in copying)
     assert stats.accepted > 0 and chains > 0, "a repetitive prompt should let lookup's drafts be accepted"
     assert trees.rounds < stats.target_passes, (
         f"the head's chooser was asked in {trees.rounds} of {stats.target_passes} rounds: lookup's rounds too"
     )
+
+
+def test_head_auto_copies_by_match_length():
+    """HeadDraft's lookup: a match of three tokens asks the first copier, of two the second, of one
+    none (the head decides); the context's last COPY_RUN tokens seen before draft all lookup found,
+    before any copier has timed a round (which would choose no drafts)."""
+    from cs336_inference.draft_head import COPY_RUN, LOOKUP_N
+
+    target = tiny_model("gqa")
+    head = e2e_head(target)
+    ids = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(5)).tolist()
+    motif, noise, (a, b, c, x) = ids[:9], ids[9:49], ids[49:53]  # no id twice but where placed so
+    cases = {
+        "a copy under way": (motif + noise[:4] + motif[:COPY_RUN], "run"),
+        "three tokens": (noise[:8] + [a, b, c, x] + noise[10:16] + [a, b, c], 0),
+        "two tokens": (noise[:8] + [b, c, x] + noise[10:16] + [b, c], 1),
+        "one token": (noise[:8] + [c, x] + noise[10:16] + [c], None),
+    }
+    assert LOOKUP_N == (3, 2) and COPY_RUN <= 9
+    for name, (ids, asks) in cases.items():
+        ids = torch.tensor(ids)
+        drafter = HeadDraft(head, SMALL_TREE, adaptive=True, lookup=True, copy_depth=5)
+        drafter.reset(64, drafter.max_nodes)
+        with torch.no_grad():
+            _, h = target(ids[None, :-1], return_hidden=True)
+        drafter.observe(h[0])
+        tree = drafter.propose_tree(ids, SamplingParams(temperature=0.0))
+        asked = [i for i, chooser in enumerate(drafter.copiers) if chooser.rounds]
+        if asks == "run":
+            want = motif[COPY_RUN : COPY_RUN + 3] + noise[:2]
+            assert tree.tokens[1:].tolist() == want, (
+                f"{name}: drafted {tree.tokens[1:].tolist()}, expected all five tokens that followed {want}"
+            )
+        else:
+            assert asked == ([] if asks is None else [asks]), (
+                f"{name}: copiers {asked} chose, expected {'none' if asks is None else [asks]}"
+            )
+            assert len(tree) == 1, f"{name}: {len(tree) - 1} drafts before any round was timed, expected 0"
 
 
 def test_general_prompts_split_by_topic():

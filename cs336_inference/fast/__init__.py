@@ -26,7 +26,8 @@ gpu/        weight-only products for bf16 activations on CUDA: int4 through tiny
 step/       whole decode steps of fixed shapes: fixed.py (`FixedStep`: a CUDA graph, torch.compile on
             the CPU, eager, or native), native.py + cpu/step.c (every decoder layer in one C call),
             paged.py (the serving engine's step the same way, over paged K/V: `FastTransformerLM`),
-            fuse.py (q/k/v and gate/up as one product)
+            head.py (the draft head's layer the same way: `FastDraftHead`), fuse.py (q/k/v and
+            gate/up as one product)
 autotune.py the fp32 product and weight layout of each shape, chosen by timing the candidates
 layers.py   the fast layer classes (FastLinear, FastQuantizedLinear, FastLLMInt8Linear)
 """
@@ -61,12 +62,26 @@ FAST = {**FAST_LAYERS, TransformerLM: FastTransformerLM}
 READABLE[FastTransformerLM] = TransformerLM
 
 
+def _fast_types() -> dict:
+    """FAST, with the draft head's fast class (step/head.py) added on first use: step/ imports this
+    package, so it cannot be imported while this package is."""
+    from cs336_inference.draft_head import DraftHead
+
+    if DraftHead not in FAST:
+        from cs336_inference.fast.step.head import FastDraftHead
+
+        FAST[DraftHead] = FastDraftHead
+        READABLE[FastDraftHead] = DraftHead
+    return FAST
+
+
 def install(model: nn.Module) -> nn.Module:
     """Put the fast path onto a loaded model, in place (and return it): each layer of a readable class
     becomes its fast subclass (same parameters, buffers and state dict). Idempotent. A layer made
     afterwards (say by `quantize_model`, which builds new layers) is readable until installed again."""
+    types = _fast_types()
     for module in model.modules():
-        fast = FAST.get(type(module))
+        fast = types.get(type(module))
         if fast is not None:
             module.__class__ = fast
     return model

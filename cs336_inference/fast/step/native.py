@@ -47,6 +47,7 @@ from cs336_inference.fast.cpu import build
 from cs336_inference.fast.cpu.ops import (
     A8_CODE,
     FORMAT_CODES,
+    MAX_ROWS,
     linear_fp32,
     linear_panels,
     model_panels_on,
@@ -221,13 +222,19 @@ class NativeLayers:
         return pointers
 
     def _describe(self) -> Tensor:
-        rows = []
+        rows, codes = [], set()
         for i, block in enumerate(self.model.layers):
             attn, mlp, (k, v) = block.attn, block.mlp, self._stores(i)
             rows += [block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr()]
             rows += [k.data_ptr(), v.data_ptr(), self.windows[i]]
-            rows += _stacked(attn.q_proj, self.panels) + _product(attn.o_proj, self.panels)
-            rows += _stacked(mlp.gate_proj, self.panels) + _product(mlp.down_proj, self.panels)
+            for product in (
+                _stacked(attn.q_proj, self.panels), _product(attn.o_proj, self.panels),
+                _stacked(mlp.gate_proj, self.panels), _product(mlp.down_proj, self.panels),
+            ):  # fmt: skip
+                rows += product
+                codes.add(product[0])
+        # every kernel but the panels' keeps at most MAX_ROWS rows' sums on its stack
+        self.max_rows = MAX_ROWS if codes - {F32_PANELS} else 1 << 62
         return torch.tensor(rows, dtype=torch.int64)
 
     def __call__(
@@ -240,21 +247,27 @@ class NativeLayers:
         tree: Int[Tensor, " T"] | None = None,
     ) -> Float[Tensor, "B T D"]:
         """tree: a tree pass (speculative_tree.py): new step steps[0] + i sees the new steps whose bits
-        tree[i] sets (its ancestors and itself), T <= 64."""
+        tree[i] sets (its ancestors and itself), T <= 64. B * T rows: up to MAX_ROWS unless every
+        product reads fp32 panels (ValueError, one line)."""
         B, T, _ = x.shape
         D, N, K, H, F = self.shape
         S = self.cache.layers[0].k.shape[2]
+        layers = self._layers()
+        if B * T > self.max_rows:
+            raise ValueError(
+                f"the native step takes up to {self.max_rows} rows with these weights, got {B * T}"
+            )
         if tree is None:
-            return self._run(self.lib.cs336_layers, [B, T, D, N, K, H, F, S], x, cos, sin, steps, pad)
+            return self._run(self.lib.cs336_layers, layers, [B, T, D, N, K, H, F, S], x, cos, sin, steps, pad)
         if T > 64 or not hasattr(self.lib, "cs336_layers_tree"):
             raise ValueError(f"the native tree pass takes up to 64 nodes with this library, got {T}")
-        return self._run(self.lib.cs336_layers_tree, [B, T, D, N, K, H, F, S], x, cos, sin, steps, pad, tree)
+        dims = [B, T, D, N, K, H, F, S]
+        return self._run(self.lib.cs336_layers_tree, layers, dims, x, cos, sin, steps, pad, tree)
 
-    def _run(self, fn, dims: list[int], x: Tensor, *inputs: Tensor) -> Tensor:
+    def _run(self, fn, layers: Tensor, dims: list[int], x: Tensor, *inputs: Tensor) -> Tensor:
         """fn(dims + [threads], the layers' descriptor, L, eps, scale, x, *inputs): x updated in place."""
         x, inputs = x.contiguous(), [t.contiguous() for t in inputs]
         dims = torch.tensor([*dims, torch.get_num_threads()], dtype=torch.int64)
-        layers = self._layers()
         pointers = [t.data_ptr() for t in inputs]
         status = fn(dims.data_ptr(), layers.data_ptr(), len(self.model.layers), self.eps, self.scale, x.data_ptr(), *pointers)  # fmt: skip
         if status != 0:

@@ -62,7 +62,7 @@ class PagedLayers(NativeLayers):
     ) -> Float[Tensor, "M D"]:
         D, N, K, H, F = self.shape
         dims = [x.shape[0], D, N, K, H, F, tables.shape[1], self.cache.block_size]
-        return self._run(self.lib.cs336_layers_paged, dims, x, cos, sin, rows, tables)
+        return self._run(self.lib.cs336_layers_paged, self._layers(), dims, x, cos, sin, rows, tables)
 
 
 class PagedStep:
