@@ -45,7 +45,7 @@ from cs336_inference.attention import ForwardContext
 from cs336_inference.fast import install
 from cs336_inference.fast.cpu import build, ops
 from cs336_inference.fast.step.fuse import fuse_siblings
-from cs336_inference.fast.step.native import PHASES, NativeLayers, OutputHead
+from cs336_inference.fast.step.native import PHASES, NativeLayers, OutputHead, tree_bits
 from cs336_inference.kv_cache import KVCache, StaticKVCache
 from cs336_inference.sampling import (
     SamplingParams,
@@ -285,17 +285,11 @@ class FixedShapes:
         if T > 1:
             mask = tree_mask(tree.parents)
             inner.depth.copy_(tree_depths(tree.parents))
-            inner.tree, inner.tree_bits = mask, _tree_bits(mask)
+            inner.tree, inner.tree_bits = mask, tree_bits(mask)
         logits = step(tree.tokens[None])
         cache.pos = start + T
         logits = (logits[:, None] if T == 1 else logits)[0].clone()
         return (logits, inner.hidden[0].clone()) if return_hidden else logits
-
-
-def _tree_bits(mask: Tensor) -> Tensor:
-    """Each row of a [T, T] bool mask (T <= 64) as the bits of one int64 (bit j = column j)."""
-    T = mask.shape[0]
-    return (mask.long() << torch.arange(T, device=mask.device)).sum(dim=-1)
 
 
 class FixedSteps:

@@ -1,8 +1,9 @@
 """The draft head's passes (draft_head.py) with its decoder layer in one C call, as the target's steps.
 
 A head pass reads a few MB of weights (its one layer and, for drafting, 8,192 output rows in q8_0),
-so its time is the calls around the products: run eagerly, the norms, rotary, cache write, masked
-attention, SiLU and residuals are some forty PyTorch calls a pass, about as long as the products.
+so much of its time is the calls around the products: run eagerly, the norms, rotary, cache write,
+masked attention, SiLU and residuals are some forty PyTorch calls a pass, each a few microseconds of
+dispatch.
 `FastDraftHead` (what `fast.install(head)` makes of a DraftHead) hands the layer to step.c's
 `cs336_layers` / `cs336_layers_tree` (native.NativeLayers), which compute the same function; the
 input product, the final norm and the readout stay the head's own.
@@ -24,7 +25,7 @@ from torch import Tensor
 from cs336_inference.draft_head import DraftHead
 from cs336_inference.fast.cpu.ops import MAX_ROWS
 from cs336_inference.fast.step.fuse import fuse_siblings
-from cs336_inference.fast.step.native import NativeLayers
+from cs336_inference.fast.step.native import NativeLayers, tree_bits
 from cs336_inference.kv_cache import KVCache
 
 
@@ -36,12 +37,6 @@ class _Layers:
 
     def parameters(self):  # what ops.model_panels_on weighs
         return self.layers[0].parameters()
-
-
-def tree_bits(mask: Bool[Tensor, "T T"]) -> Int[Tensor, " T"]:
-    """Each row of a [T, T] bool mask (T <= 64) as the bits of one int64 (bit j = column j)."""
-    T = mask.shape[0]
-    return (mask.long() << torch.arange(T, device=mask.device)).sum(dim=-1)
 
 
 class FastDraftHead(DraftHead):
@@ -89,7 +84,7 @@ class FastDraftHead(DraftHead):
                     feats[:, i : i + MAX_ROWS],
                     cache,
                     None if depth is None else depth[i : i + MAX_ROWS] - i,
-                )  # fmt: skip
+                )
                 for i in range(0, T, MAX_ROWS)
             ]
             return torch.cat(parts, dim=1)

@@ -158,6 +158,13 @@ def _stacked(first, panels_too: bool) -> list[int]:
     return _product(group.stacked, panels_too, tuple(version(w) for w in members))
 
 
+def tree_bits(mask: Tensor) -> Tensor:
+    """Each row of a [T, T] bool mask (T <= 64) as the bits of one int64 (bit j = column j): a tree
+    pass's `tree` argument."""
+    T = mask.shape[0]
+    return (mask.long() << torch.arange(T, device=mask.device)).sum(dim=-1)
+
+
 class NativeLayers:
     """x -> every decoder layer of `model` applied to x (in place), for one static cache."""
 
