@@ -38,9 +38,9 @@ from .layers import Linear, RMSNorm, rope_tables
 from .model import TransformerBlock, TransformerLM
 
 CONFIG_NAME, WEIGHTS_NAME = "draft_head.json", "draft_head.safetensors"
-# HeadDraft's prompt lookup: matches of LOOKUP_N[0] tokens down to LOOKUP_N[1]. A one-token match
-# predicts little (on the speculative benchmark's code-editing and rewriting prompts nearly every copy
-# drawn from one lost its first token). A match of COPY_RUN tokens is a copy under way
+# HeadDraft's prompt lookup: matches of LOOKUP_N[0] tokens down to LOOKUP_N[1] (a one-token match
+# predicts little: most tokens of a text occurred somewhere before). A match of COPY_RUN tokens is a
+# copy under way
 LOOKUP_N, COPY_RUN = (3, 2), 6
 DEFAULT_HEAD_DIR = Path("runs/draft-head")  # where scripts/train_draft.py puts SmolLM2's head
 

@@ -73,9 +73,9 @@ class FastDraftHead(DraftHead):
         start = 0 if cache is None else cache.pos
         if tree is not None:
             before = start - (start if tree_start is None else tree_start)
-            if T > 64 or (before and not bool(tree[:, :before].all())):
-                native = None  # some input must not see a node fed before: the readable forward
-        if native is None or B != 1 or feats.dtype != torch.float32 or (T > MAX_ROWS and tree is not None):
+            if T > MAX_ROWS or (before and not bool(tree[:, :before].all())):
+                native = None  # too many nodes, or one must not see a node fed before: readable
+        if native is None or B != 1 or feats.dtype != torch.float32:
             return super().forward(tokens, feats, cache, depth, tree, tree_start)
         if T > MAX_ROWS:  # a prompt's catch-up: causal, so MAX_ROWS steps at a time give the same
             parts = [
