@@ -224,6 +224,10 @@ class HeadDraft:
     one of three; 0 leaves the round to the head). Where the context's last COPY_RUN tokens occurred
     before, a copy is under way and the round drafts all lookup found (up to copy_depth): copies come
     in runs, which the chooser's averages would follow only a level at a time.
+    gate: the head drafts only the nodes of `shape` whose path it is sure enough of
+    (`speculative_tree.ConfidenceGate`: the product of its probabilities along the path against
+    what a drafted node measurably costs), instead of a chosen depth (`adaptive` then chooses only
+    the copies' lengths).
     `HeadDraft.auto(head)` is what `generate.py --draft head` runs.
     """
 
@@ -236,8 +240,9 @@ class HeadDraft:
         adaptive: bool = False,
         lookup: bool = False,
         copy_depth: int | None = None,
+        gate: bool = False,
     ):
-        from .speculative_tree import AdaptiveDepth, TreeShape, as_shape
+        from .speculative_tree import AdaptiveDepth, ConfidenceGate, TreeShape, as_shape
 
         self.head, self.shape, self.lookup = head, as_shape(shape), lookup
         self.copy_depth = self.shape.depth if copy_depth is None or not lookup else copy_depth
@@ -245,23 +250,25 @@ class HeadDraft:
             raise ValueError(f"copy_depth must be >= 1, got {copy_depth}")
         self.max_depth = max(self.shape.depth, self.copy_depth)
         self.max_nodes = len(self.shape) + (self.copy_depth if lookup else 0)
-        self.adaptive = AdaptiveDepth(self.shape) if adaptive else None
+        self.gate = ConfidenceGate() if gate else None
+        self.adaptive = AdaptiveDepth(self.shape) if adaptive and not gate else None
         # with both, copying has choices of its own: how many of the tokens lookup found to draft,
         # for a match of n tokens (copiers[LOOKUP_N[0] - n])
         n_copiers = LOOKUP_N[0] - LOOKUP_N[1] + 1 if adaptive and lookup else 0
         self.copiers = [AdaptiveDepth(TreeShape.chain(self.copy_depth)) for _ in range(n_copiers)]
-        self.choosers = [c for c in (self.adaptive, *self.copiers) if c is not None]
+        self.choosers = [c for c in (self.adaptive, self.gate, *self.copiers) if c is not None]
         self.drafter = None
         self.model = None  # not a TransformerLM draft (speculative._check_args)
 
     @classmethod
     def auto(cls, head: DraftHead) -> HeadDraft:
-        """The CLI's drafting: DEFAULT_TREE with adaptive depth, prompt lookup first, copies of up to
-        8 tokens (a copy often runs longer than the head's drafts are worth; the copying chooser
-        takes fewer where they are rejected). `benchmark.py speculative --drafts head-auto` measures it."""
+        """The CLI's drafting: prompt lookup first, copies of up to 8 tokens (a copy often runs longer
+        than the head's drafts are worth; the copying chooser takes fewer where they are rejected),
+        else the nodes of DEFAULT_TREE the confidence gate lets through. `benchmark.py speculative
+        --drafts head-auto` measures it."""
         from .speculative_tree import DEFAULT_TREE
 
-        return cls(head, DEFAULT_TREE, adaptive=True, lookup=True, copy_depth=8)
+        return cls(head, DEFAULT_TREE, adaptive=True, lookup=True, copy_depth=8, gate=True)
 
     def reset(self, capacity: int, spare: int) -> None:
         head = self.head
@@ -331,6 +338,10 @@ class HeadDraft:
         depth = limit
         if self.adaptive is not None:
             depth, self.drafter = min(limit, self.adaptive.choose()), self.adaptive
+        if self.gate is not None:
+            if self.gate.tau > 1.0:  # no node could pass (plain decoding not timed yet)
+                return root
+            self.drafter = self.gate
         return root if depth == 0 else self._head_tree(context, params, generator, depth)
 
     @torch.inference_mode()
@@ -362,6 +373,8 @@ class HeadDraft:
         probs = None if greedy else torch.zeros(T, head.config.vocab_size, device=device)
         gs = {0: g}
         drawn = [True] + [False] * (T - 1)
+        sure = [1.0] * T  # the gate's P(node): its path's draft probabilities multiplied
+        tau = self.gate.tau if self.gate is not None else 0.0
         ancestors = tree_mask(torch.tensor(shape.parents, device=device))
         fed_nodes: list[int] = []  # tree nodes in the head's cache, in order (after its n - 1 context steps)
         level = [0]
@@ -371,10 +384,18 @@ class HeadDraft:
                 if not shape.kids[i] or not drawn[i]:
                     continue
                 p = self._distribution(gs[i], params)
-                picks = head.token_ids(draw_children(p, len(shape.kids[i]), greedy, generator))
+                kids = shape.kids[i]
+                if self.gate is not None:  # rank r's chance: the r-th largest p (known before drawing)
+                    top = (sure[i] * p.topk(len(kids)).values).tolist()
+                    kids = [c for c, s in zip(kids, top, strict=True) if s >= tau]
+                    for c, s in zip(kids, top, strict=False):
+                        sure[c] = s
+                    if not kids:
+                        continue
+                picks = head.token_ids(draw_children(p, len(kids), greedy, generator))
                 if probs is not None:
                     probs[i, head.token_ids(torch.arange(len(p), device=device))] = p
-                children = shape.kids[i][: len(picks)]
+                children = kids[: len(picks)]
                 tokens[children] = picks
                 for child in children:
                     drawn[child] = True

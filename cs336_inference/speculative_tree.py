@@ -424,6 +424,45 @@ class AdaptiveDepth:
         self.seconds[d] = s if old is None else 0.8 * old + 0.2 * s
 
 
+class ConfidenceGate:
+    """Which nodes of a tree to draft this round, from the draft's own confidence (EAGLE-2's idea):
+    a node is drafted when the chance that the target accepts its whole path is worth what the node
+    costs. With P(node) the product of the draft's probabilities along the node's path,
+
+        t0      measured seconds of a plain round (no drafts), an average that forgets
+        m       measured seconds each drafted node adds to a round (drafting and verifying)
+        tau     m / t0
+        draft the node  iff  P(node) >= tau    (an accepted node saves a plain step, t0)
+
+    So a round drafts deep where the draft is sure and not at all where it is not, instead of the same
+    depth every round. P uses, for a child of rank r, the r-th largest probability of its parent's
+    draft distribution, read before any child is drawn: the shape never depends on a drawn token's
+    own value, so sampled verification stays exact. The first round is plain decoding, to time t0.
+    """
+
+    def __init__(self, prior: float = 0.1, decay: float = 0.8):
+        self.prior, self.decay = prior, decay  # prior: m / t0 until a drafted round is measured
+        self.plain: float | None = None  # t0
+        self.per_node: float | None = None  # m
+
+    def reset(self) -> None:  # the measured times carry over from one generation to the next
+        pass
+
+    @property
+    def tau(self) -> float:
+        if self.plain is None:
+            return float("inf")  # nothing drafted before plain decoding is timed
+        return self.prior if self.per_node is None else self.per_node / self.plain
+
+    def record(self, tree: DraftTree, path: list[int], draft_s: float, verify_s: float) -> None:
+        s, n = draft_s + verify_s, len(tree) - 1
+        forget = lambda old, new: new if old is None else self.decay * old + (1 - self.decay) * new  # noqa: E731
+        if n == 0:
+            self.plain = forget(self.plain, s)
+        elif self.plain is not None:
+            self.per_node = forget(self.per_node, max(s - self.plain, 0.0) / n)
+
+
 # ------------------------------------------------------------------ the loop
 def prompt_features(
     target: TransformerLM, ids: Int[Tensor, " P"], cache: KVCache

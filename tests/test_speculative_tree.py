@@ -236,15 +236,22 @@ def e2e_head(target):
 
 @pytest.mark.parametrize(
     "kind,n",
-    [("model", 400), ("head", 400), pytest.param("model", 3000, marks=pytest.mark.slow),
-     pytest.param("head", 3000, marks=pytest.mark.slow)],
+    [("model", 400), ("head", 400), ("head-gate", 400), pytest.param("model", 3000, marks=pytest.mark.slow),
+     pytest.param("head", 3000, marks=pytest.mark.slow), pytest.param("head-gate", 3000, marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_first_two_tokens_follow_target(kind, n):
     """Temperature 1: the first two tokens of tree_generate (a tree of 2 children, the first with 2 of
-    its own) have the target's joint distribution over the V^2 = 16 outcomes."""
+    its own) have the target's joint distribution over the V^2 = 16 outcomes. head-gate: the confidence
+    gate prunes that tree, held at 0.011: the head's second choice for the second token has 0.010-0.013
+    (by the first token), so the root gets one candidate or two."""
     target, draft = e2e_models()
     shape = [(0,), (1,), (0, 0), (0, 1)]
-    drafter = ModelTreeDraft(draft, shape) if kind == "model" else HeadDraft(e2e_head(target), shape)
+    if kind == "model":
+        drafter = ModelTreeDraft(draft, shape)
+    else:
+        drafter = HeadDraft(e2e_head(target), shape, gate=kind == "head-gate")
+        if kind == "head-gate":
+            fixed_gate(drafter, 0.011)
     ids = torch.tensor([1, 3, 0])
     counts = e2e_tree_counts(target, drafter, ids, n)
     expected = target_joint(target, ids)
@@ -325,14 +332,18 @@ def test_head_tree_features_equal_a_forward_along_each_path():
         )
 
 
-@pytest.mark.parametrize("shape,adaptive", [(4, False), (SMALL_TREE, False), (SMALL_TREE, True)], ids=str)
+@pytest.mark.parametrize(
+    "shape,adaptive", [(4, False), (SMALL_TREE, False), (SMALL_TREE, True), (SMALL_TREE, "gate")], ids=str
+)
 def test_head_greedy_equals_generate(shape, adaptive):
     target = tiny_model("gqa")
     head = DraftHead(target.config, torch.arange(0, 64, 3)).attach(target).eval()
     ids = prompt(14, 8)
     expected = generate(target, ids, 30, stop_token_ids=[])
-    got, stats = tree_generate(target, HeadDraft(head, shape, adaptive), ids, 30, return_stats=True,
-                               stop_token_ids=[])  # fmt: skip
+    drafter = HeadDraft(head, shape, adaptive is True, gate=adaptive == "gate")
+    if adaptive == "gate":
+        fixed_gate(drafter, 0.05)
+    got, stats = tree_generate(target, drafter, ids, 30, return_stats=True, stop_token_ids=[])
     check_tokens(f"head, tree {shape}, adaptive {adaptive}", got, expected)
     check_cache_holds("head target cache", target, stats.caches["target"], torch.cat([ids, got])[:-1], 0)
 
@@ -375,6 +386,91 @@ def test_adaptive_depth_times_plain_decoding_and_forgets_a_first_round():
         adaptive.record(tree, list(range(reach + 1)), 0.0, seconds)
     late = picks[100:]
     assert late.count(0) >= 0.85 * len(late), f"rounds 100-199 chose depths {late}, expected mostly 0"
+
+
+def fixed_gate(drafter, tau):
+    """The drafter's confidence gate held at tau (its measured times would move it)."""
+    drafter.gate.plain, drafter.gate.per_node = 1.0, tau
+    drafter.gate.record = lambda *args: None
+    return drafter
+
+
+def test_confidence_gate_measures_what_a_node_costs():
+    gate = st.ConfidenceGate(prior=0.1)
+    chain = lambda d: DraftTree(torch.zeros(d + 1, dtype=torch.long), torch.arange(-1, d))  # noqa: E731
+    assert gate.tau == math.inf, "before plain decoding is timed nothing should be drafted"
+    gate.record(chain(0), [0], 0.001, 0.009)
+    assert gate.tau == 0.1, f"a timed plain round and no drafted one: tau {gate.tau}, expected the prior 0.1"
+    for _ in range(50):  # plain rounds of 10 ms, rounds of 4 nodes of 18 ms: 2 ms a node
+        gate.record(chain(0), [0], 0.0, 0.010)
+        gate.record(chain(4), [0, 1], 0.004, 0.014)
+    assert abs(gate.tau - 0.2) < 1e-3, f"tau {gate.tau}, expected 2 ms a node / 10 ms a step = 0.2"
+
+
+@pytest.mark.parametrize("tau", [0.0, 0.05, 0.16, 0.2, 0.5, 2.0])
+def test_gate_drafts_the_nodes_whose_path_it_is_sure_of(tau):
+    """Greedy, the gate held at tau: the drafted tree is exactly SMALL_TREE's nodes whose path has a
+    product of the head's probabilities >= tau, each probability from an uncached forward along the
+    node's path (the rank-r child's: the parent's r-th largest)."""
+    target = tiny_model("gqa")
+    head = e2e_head(target)
+    ids = prompt(12, 4)
+    drafter = fixed_gate(HeadDraft(head, SMALL_TREE, gate=True), tau)
+    drafter.reset(40, len(TreeShape(SMALL_TREE)))
+    with torch.no_grad():
+        _, h = target(ids[None, :-1], return_hidden=True)
+    drafter.observe(h[0])
+    tree = drafter.propose_tree(ids, SamplingParams(temperature=0.0))
+    shape = TreeShape(SMALL_TREE)
+    with torch.no_grad():
+        g_ctx = head(ids[None, 1:], h[0][None])[0]
+    g, sure, tokens, kept = {0: g_ctx[-1]}, {0: 1.0}, {0: int(ids[-1])}, [0]
+    for i in range(1, len(shape)):
+        parent, rank = shape.parents[i], shape.nodes[i][-1]
+        if parent not in kept:
+            continue
+        p = head.logits(g[parent]).float().softmax(-1)
+        top = p.topk(rank + 1)
+        if sure[parent] * float(top.values[rank]) < tau:
+            continue
+        kept.append(i)
+        sure[i], tokens[i] = sure[parent] * float(top.values[rank]), int(head.token_ids(top.indices[rank]))
+        path, node = [], i
+        while node > 0:
+            path.append(node)
+            node = shape.parents[node]
+        path.reverse()
+        toks = torch.cat([ids[1:], torch.tensor([tokens[c] for c in path])])
+        fs = torch.cat([h[0], torch.stack([g[shape.parents[c]] for c in path])])
+        with torch.no_grad():
+            g[i] = head(toks[None], fs[None])[0, -1]
+    want_parents = [-1] + [kept.index(shape.parents[i]) for i in kept[1:]]
+    assert tree.parents.tolist() == want_parents and tree.tokens.tolist() == [tokens[i] for i in kept], (
+        f"tau {tau}: drafted tokens {tree.tokens.tolist()} with parents {tree.parents.tolist()}, expected "
+        f"{[tokens[i] for i in kept]} with {want_parents} (nodes {[shape.nodes[i] for i in kept]})"
+    )
+
+
+def test_gate_decides_before_drawing():
+    """Sampled, the gate held: how many candidates the root gets depends on the head's distribution
+    only, never on which tokens were drawn (that would bias verification): the same for every seed."""
+    target = tiny_model("gqa")
+    head = e2e_head(target)
+    ids = prompt(12, 4)
+    with torch.no_grad():
+        _, h = target(ids[None, :-1], return_hidden=True)
+        p = head.logits(head(ids[None, 1:], h)[0, -1]).float().softmax(-1).sort(descending=True).values
+    tau = float(p[1] + p[2]) / 2  # between the second and third largest: two candidates
+    counts, tokens = set(), set()
+    for seed in range(12):
+        drafter = fixed_gate(HeadDraft(head, [(0,), (1,), (2,)], gate=True), tau)
+        drafter.reset(40, 4)
+        drafter.observe(h[0])
+        tree = drafter.propose_tree(ids, SamplingParams(temperature=1.0), torch.Generator().manual_seed(seed))
+        counts.add(len(tree) - 1)
+        tokens.add(tuple(tree.tokens[1:].tolist()))
+    assert counts == {2}, f"the root got {sorted(counts)} candidates across seeds, expected 2 every time"
+    assert len(tokens) > 1, "the seeds should have drawn different candidates"
 
 
 def test_prompt_features_equal_the_forward_s_own():
