@@ -1,6 +1,6 @@
 """Train an EAGLE-style draft head for SmolLM2-135M-Instruct (or --model) on its own answers.
 
-    python scripts/train_draft.py                       # about 55 minutes on 2 cores, into runs/draft-head
+    python scripts/train_draft.py                       # about 85 minutes on 2 cores, into runs/draft-head
     python scripts/train_draft.py --prompts 64 --steps 50 --out /tmp/head   # a quick trial
 
 1. chat prompts cut from CPython's pydoc topics (every 10th topic held out; --tasks tasks for each
@@ -53,7 +53,7 @@ def parse_args(argv):
     p.add_argument(
         "--vocab", type=int, default=8192, help="draft vocabulary: the most frequent tokens (0: all)"
     )
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument(
         "--window", type=int, default=256, help="positions per training window (a sequence's last)"
@@ -63,7 +63,7 @@ def parse_args(argv):
     p.add_argument(
         "--w-token", type=float, default=0.5, help="weight of the cross-entropy (the feature loss: 1)"
     )
-    p.add_argument("--eval-every", type=int, default=125)
+    p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--threads", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--markdown", type=Path, help="also write the training log for docs/ (command, CPU, date)")
