@@ -262,13 +262,15 @@ class HeadDraft:
 
     @classmethod
     def auto(cls, head: DraftHead) -> HeadDraft:
-        """The CLI's drafting: prompt lookup first, copies of up to 8 tokens (a copy often runs longer
-        than the head's drafts are worth; the copying chooser takes fewer where they are rejected),
-        else the nodes of DEFAULT_TREE the confidence gate lets through. `benchmark.py speculative
-        --drafts head-auto` measures it."""
+        """The CLI's drafting: DEFAULT_TREE with adaptive depth, prompt lookup first, copies of up to
+        8 tokens (a copy often runs longer than the head's drafts are worth; the copying chooser
+        takes fewer where they are rejected). `benchmark.py speculative --drafts head-auto` measures
+        it. (With the confidence gate instead of the adaptive depth it drafted more tokens a pass
+        but was no faster on a 2-core CPU, where every node it adds costs the verify pass a row:
+        docs/speculative.md.)"""
         from .speculative_tree import DEFAULT_TREE
 
-        return cls(head, DEFAULT_TREE, adaptive=True, lookup=True, copy_depth=8, gate=True)
+        return cls(head, DEFAULT_TREE, adaptive=True, lookup=True, copy_depth=8)
 
     def reset(self, capacity: int, spare: int) -> None:
         head = self.head

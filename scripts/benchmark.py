@@ -648,8 +648,8 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated: ngram, int8, int4, q8_0, q4_0, llm_int8 (the "
         "target quantized, output matrix too), each also as FMT-shared (drafting on the target's KV cache); "
         "head (the trained draft head, chains of k), head-full (the same reading out all V tokens), head-tree "
-        "(its tree), head-gate (the tree's nodes the head is sure enough of), head-auto (the gate and prompt "
-        "lookup: what generate.py --draft head runs)",
+        "(its tree), head-gate (the tree's nodes the head is sure enough of), head-auto (tree, adaptive depth and "
+        "prompt lookup: what generate.py --draft head runs)",
     )
     spec.add_argument("--head", type=Path, help="the draft head's folder (default runs/draft-head)")
     spec.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="comma-separated k values")

@@ -104,7 +104,7 @@ class TreeDraft:
 def head_entry(name: str, target: TransformerLM, folder=None) -> TreeDraft:
     """The benchmark's draft-head entries: "head" (chains of k), "head-full" (chains reading out all V
     tokens), "head-tree" (DEFAULT_TREE), "head-gate" (the nodes of DEFAULT_TREE the confidence gate
-    lets through), "head-auto" (HeadDraft.auto: the gate and prompt lookup).
+    lets through), "head-auto" (HeadDraft.auto: adaptive depth, prompt lookup).
     The head runs as the CLI runs it: its products in q8_0 through the kernels."""
     from cs336_inference.draft_head import DEFAULT_HEAD_DIR, HeadDraft, load_draft_head
     from cs336_inference.fast import install
