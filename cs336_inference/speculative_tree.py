@@ -524,7 +524,11 @@ def _tree_rounds(target, draft, ids, params: SamplingParams, stats, steps) -> It
     stats.caches["target"] = cache
     # the prompt's prefill gives the first token, as generate's does: a first round would spend a
     # target pass on the newest prompt token (a root alone whenever the adaptive depth drafts nothing)
-    if features:
+    if hasattr(runner, "prefill"):  # fixed-shape steps prefill their own way (native: in passes of rows)
+        logits, h = runner.prefill(ids)
+        if features:
+            draft.observe(h)
+    elif features:
         logits, h = prompt_features(target, ids, cache)
         draft.observe(h)
     else:

@@ -699,3 +699,57 @@ def test_native_step_refuses_more_rows_than_its_kernels_hold(fmt):
         layers(x, cos, sin, torch.arange(T), pad)
     out = layers(x[:, :MAX_ROWS], cos[:, :MAX_ROWS], sin[:, :MAX_ROWS], torch.arange(MAX_ROWS), pad)
     assert out.shape == (1, MAX_ROWS, cfg.d_model), f"{fmt}: {MAX_ROWS} rows gave {tuple(out.shape)}"
+
+
+# ------------------------------------------------------------------ the native prefill
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+@pytest.mark.parametrize(("P", "rows", "start"), [(3, 4, 0), (4, 4, 0), (10, 4, 0), (9, 4, 5), (33, 32, 0)])
+def test_a_native_prefill_gives_the_bits_of_one_token_steps(fmt, P, rows, start):
+    """native_prefill (passes of `rows` tokens, the last one ending at the prompt's end and writing
+    again what the pass before wrote) leaves every layer's K/V and the last logits bit for bit as
+    feeding the P tokens one by one through native decode steps does; its features are the final
+    norm's output of each position, as the model's own forward gives them."""
+    from cs336_inference.fast.step.fixed import native_prefill
+
+    model = _native_model("gqa", fmt)
+    g = torch.Generator().manual_seed(P + rows + start)
+    head = torch.randint(0, 64, (1, start), generator=g)
+    ids = torch.randint(0, 64, (1, P), generator=g)
+    with torch.inference_mode():
+        one, chunked = model.new_cache(1, 48), model.new_cache(1, 48)
+        step = FixedStep(model, one, "native")
+        for t in range(start):
+            step(head[:, t])
+        for t in range(P):
+            single = step(ids[:, t]).clone()
+        head_step = FixedStep(model, chunked, "native")
+        for t in range(start):
+            head_step(head[:, t])
+        logits, h = native_prefill(model, chunked, ids, rows=rows)
+        full = model.new_cache(1, 48)
+        x = model(torch.cat([head, ids], 1), cache=full, return_hidden=True)[1][0, start:]
+    case = f"{fmt}, P={P}, rows={rows}, from step {start}"
+    assert chunked.pos == start + P, f"{case}: cache.pos {chunked.pos}, expected {start + P}"
+    assert torch.equal(logits, single), f"{case}: last logits differ by {(logits - single).abs().max():.3g}"
+    for i, (a, b) in enumerate(zip(one.layers, chunked.layers, strict=True)):
+        n = start + P
+        assert torch.equal(a.k[:, :, :n], b.k[:, :, :n]) and torch.equal(a.v[:, :, :n], b.v[:, :, :n]), (
+            f"{case}: layer {i}'s K/V differ from one-token steps"
+        )
+    assert torch.allclose(h, x, atol=1e-4), f"{case}: features differ by {(h - x).abs().max():.3g}"
+
+
+def test_a_native_prefill_refuses_a_prompt_past_the_cache_in_one_line():
+    from cs336_inference.fast.step.fixed import native_prefill
+
+    model = _native_model("gqa")
+    with pytest.raises(ValueError, match="does not fit a cache of 8"):
+        native_prefill(model, model.new_cache(1, 8), torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_graph_generate_native_is_greedy_generate_from_a_long_prompt():
+    """A prompt longer than a native prefill pass (40 > 32 tokens) decodes as generate does."""
+    model = _native_model("gqa")
+    prompt = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(3))
+    expected = generate(model, prompt, 20, stop_token_ids=[])
+    assert graph_generate(model, prompt, 20, "native").tolist() == expected.tolist()

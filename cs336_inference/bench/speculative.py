@@ -18,8 +18,8 @@ speculative decoding and plain `generate` on the same prompts in the same proces
                      right before each row's speculative run of it, and the row's speedup uses those
                      times: a memory bandwidth that drifts over the minutes a workload takes moves the
                      speed of both alike
-    decode speedup   the same with the prompts' prefill taken out of both times (the eager prefill of
-                     each prompt, timed alone: `prefill_seconds`). Speculation does not touch the
+    decode speedup   the same with the prompts' prefill taken out of both times (the prefill of
+                     each prompt as the runs do it, timed alone: `prefill_seconds`). Speculation does not touch the
                      prefill, a tenth to a fifth of the time of 64 new tokens for the benchmark's
                      prompts on a CPU; this is the measured figure to set beside the predicted one,
                      which counts rounds only
@@ -45,6 +45,7 @@ import torch
 
 from cs336_inference.bench.timing import median_seconds, synchronize
 from cs336_inference.fast.step.fixed import FixedSteps
+from cs336_inference.fast.step.fixed import prefill as fixed_prefill
 from cs336_inference.model import TransformerLM
 from cs336_inference.sampling import generate
 from cs336_inference.speculative import ModelDraft, speculative_generate
@@ -173,13 +174,16 @@ def pass_costs(
     return {"step_s": step, "verify_ratio": ratios}
 
 
-def prefill_seconds(target: TransformerLM, ids: torch.Tensor, runs: int = 3) -> float:
-    """Median seconds of the prompt's eager prefill into a fresh cache (the last position's logits),
-    as target-only decoding and tree speculation begin."""
+def prefill_seconds(
+    target: TransformerLM, ids: torch.Tensor, runs: int = 3, step_mode: str | None = None
+) -> float:
+    """Median seconds of the prompt's prefill into a fresh cache (the last position's logits), as
+    target-only decoding and speculation begin (fixed.prefill: native steps with step_mode "native",
+    else the model's own forward)."""
     cache = target.new_cache(1, len(ids) + 1)
 
     def prefill():
-        target(ids[None], cache=cache, last_only=True)
+        fixed_prefill(target, cache, ids[None], step_mode)
         cache.truncate(0)
 
     return median_seconds(prefill, repeats=runs, warmup=1, device=ids.device)
@@ -245,7 +249,7 @@ def speculative_benchmark(
             base_times.append(seconds)
         base_s = sum(base_times)
         n_base = sum(len(t) for t in base_tokens)
-        prefill_s = sum(prefill_seconds(target, ids, runs) for ids in prompts)
+        prefill_s = sum(prefill_seconds(target, ids, runs, step_mode) for ids in prompts)
         log(f"{wname}: target only, {n_base} tokens in {base_s:.1f} s ({n_base / base_s:.2f} tokens/s)")
         for dname, draft in drafts.items():
             tree = isinstance(draft, TreeDraft)

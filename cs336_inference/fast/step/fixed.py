@@ -117,7 +117,8 @@ class StaticDecodeStep:
         # 5-token verify pass went from 1.43x to 1.23x a step: docs/kernels.md, Intel Xeon)
         self.output = OutputHead(model, ours_first=native)
 
-    def forward(self) -> Float[Tensor, "B T V"]:
+    def forward(self, readout: bool = True) -> Float[Tensor, "B T V"] | None:
+        """readout=False stops at the final norm (self.hidden): a prefill's pieces before its last."""
         model = self.model
         torch.add(self.pos, self.offsets, out=self.steps)
         at = self.steps if self.tree is None else self.pos + self.depth
@@ -134,7 +135,7 @@ class StaticDecodeStep:
             for block in model.layers:
                 x = block(x, ctx)
         self.hidden = model.norm(x)
-        return self.output(self.hidden)
+        return self.output(self.hidden) if readout else None
 
 
 def _forward(step: StaticDecodeStep) -> Tensor:
@@ -234,11 +235,50 @@ def fixed_capacity(n: int, max_seq_len: int, bucket: int = 256) -> int:
     return min(-(-n // bucket) * bucket, max_seq_len)
 
 
+PREFILL_ROWS = ops.MAX_ROWS  # a native prefill's pass: the most rows a native step takes
+
+
+@torch.inference_mode()
+def native_prefill(
+    model, cache: KVCache, ids: Int[Tensor, "1 P"], rows: int = PREFILL_ROWS
+) -> tuple[Float[Tensor, "1 V"], Float[Tensor, "P D"]]:
+    """A prompt's prefill as native steps of up to `rows` tokens from cache.pos on: the last position's
+    logits and every position's feature (the final norm's output); cache.pos advances by P.
+
+    Each pass reads every weight once for its rows, as a decode step reads it for one, where the
+    eager forward hands a few dozen rows to BLAS. No pass is padded: the last one ends at the prompt's
+    last token and writes again the positions before it that the pass before wrote, with the same
+    numbers (a native row's result does not depend on the rows beside it, and each row attends to
+    the same cache). Only the last position goes through the output matrix.
+    """
+    P, start = ids.shape[1], cache.pos
+    if P < 1 or start + P > cache.capacity:
+        raise ValueError(
+            f"a prefill of {P} tokens from step {start} does not fit a cache of {cache.capacity}"
+        )
+    R = min(rows, P)
+    step = StaticDecodeStep(model, cache, R, native=True)
+    hidden = torch.empty(P, model.config.d_model, device=ids.device)
+    s = 0
+    while True:
+        s = min(s, P - R)
+        step.ids.copy_(ids[:, s : s + R])
+        step.pos.fill_(start + s)
+        step.forward(readout=False)
+        hidden[s : s + R] = step.hidden[0]
+        if s + R == P:
+            break
+        s += R
+    cache.pos = start + P
+    return step.output(hidden[-1:]), hidden
+
+
 class FixedShapes:
     """A model called as `model(ids [1, T], cache=cache)` that runs fixed-shape steps on one cache
     (speculative decoding's target): T = 1 runs the decode step, 1 < T <= T_max runs the T_max-token
     step with the ids padded at the end (the padded positions' K/V land past cache.pos, where the
     causal mask hides them until real tokens overwrite them), longer inputs (the prompt's prefill) run
+    as `native_prefill` in mode "native" (when only the last position's logits are asked for), else
     the model eagerly. Raises ValueError (one line) for caches the fixed-shape step does not support.
     """
 
@@ -253,6 +293,8 @@ class FixedShapes:
             raise ValueError("a FixedShapes model runs the cache it was made with, not another")
         T = ids.shape[1]
         if T > self.T_max:
+            if self.mode == "native" and last_only:
+                return native_prefill(self.model, cache, ids)[0][None]
             return self.model(ids, cache=cache, last_only=last_only)
         size = 1 if T == 1 else self.T_max
         if size not in self.steps:
@@ -262,6 +304,15 @@ class FixedShapes:
         logits = self.steps[size](padded)
         cache.pos = start + T
         return (logits[:, None] if size == 1 else logits[:, :T]).clone()
+
+    def prefill(self, ids: Int[Tensor, " P"]) -> tuple[Float[Tensor, "1 V"], Float[Tensor, "P D"]]:
+        """The prompt's prefill into the cache: the last position's logits and every position's
+        feature (`native_prefill` in mode "native", else speculative_tree.prompt_features)."""
+        if self.mode == "native":
+            return native_prefill(self.model, self.cache, ids[None])
+        from cs336_inference.speculative_tree import prompt_features
+
+        return prompt_features(self.model, ids, self.cache)
 
     def prepare(self, T: int) -> FixedStep:
         """The tree pass of T nodes, built on first use (a few ms: speculative_tree keeps it out of its
@@ -309,9 +360,17 @@ class FixedSteps:
 
     def tree_target(self, model, length: int) -> tuple[FixedShapes, KVCache]:
         """speculative_tree's target: a cache for `length` steps and the FixedShapes that runs its tree
-        passes (`FixedShapes.tree`) and, eagerly, the prompt's prefill."""
+        passes (`FixedShapes.tree`) and the prompt's prefill (`FixedShapes.prefill`)."""
         cache = model.new_cache(1, fixed_capacity(length, model.config.max_seq_len))
         return FixedShapes(model, cache, 1, self.mode), cache
+
+
+def prefill(model, cache: KVCache, ids: Int[Tensor, "1 P"], mode: str | None) -> Float[Tensor, "1 V"]:
+    """The last position's logits after the prompt's prefill: native steps in mode "native", else the
+    model's own forward."""
+    if mode == "native":
+        return native_prefill(model, cache, ids)[0]
+    return model(ids, cache=cache, last_only=True)[:, -1]
 
 
 @torch.inference_mode()
@@ -322,8 +381,9 @@ def graph_generate(
     mode: str | None = None,
     stop_token_ids=(),
 ) -> Int[Tensor, " n"]:
-    """Greedy decoding of one prompt with an eager prefill and a FixedStep decode step (mode: as
-    FixedStep's; by default a CUDA graph on CUDA, the eager fixed-shape step on the CPU).
+    """Greedy decoding of one prompt: the prefill (`prefill`: native steps in mode "native", else
+    eager) and a FixedStep decode step (mode: as FixedStep's; by default a CUDA graph on CUDA, the
+    eager fixed-shape step on the CPU).
 
     Emits max_new_tokens tokens, or fewer when one of stop_token_ids (none by default) comes (it is
     kept): the same tokens as greedy `generate(..., stop_token_ids=stop_token_ids)`.
@@ -333,7 +393,7 @@ def graph_generate(
     device = model.embed.weight.device
     ids = prompt_ids.to(device).reshape(1, -1)
     cache = model.new_cache(1, fixed_capacity(ids.shape[1] + max_new_tokens, model.config.max_seq_len))
-    token = model(ids, cache=cache, last_only=True)[:, -1].argmax(-1)
+    token = prefill(model, cache, ids, mode).argmax(-1)
     out = torch.empty(max_new_tokens, dtype=torch.long, device=device)
     out[0] = token[0]
     stops = set(stop_token_ids)
@@ -358,7 +418,7 @@ def step_stream(
     params: SamplingParams | None = None,
     constraint=None,
 ):
-    """`sampling.stream_generate` for one prompt with an eager prefill and FixedStep decode steps
+    """`sampling.stream_generate` for one prompt with `prefill` and FixedStep decode steps
     (mode as FixedStep's): yields each new token id; a stop token (None: the config's EOS ids) is
     yielded, then it ends. The settings (keywords or params=) and constraint as stream_generate's.
 
@@ -383,7 +443,7 @@ def step_stream(
 
     @torch.inference_mode()
     def tokens():
-        logits = model(ids, cache=cache, last_only=True)[:, -1]
+        logits = prefill(model, cache, ids, mode)
         for n in range(max_new_tokens):
             constraints = None if constraint is None else [constraint]
             constrain(logits, constraints)
