@@ -25,11 +25,15 @@ once per model (ops.model_panels_on); CS336_KERNELS_PANELS=0 keeps the row- or c
 (no copy), as the planner stores them, and =1 makes panels whatever the memory.
 
 Weights are read through their data pointers. Each call compares the data pointers and version
-counters of the weights a step reads (270 for SmolLM2), looked up from the blocks by name, with the
-last call's and describes the layers again if one changed, so a weight or a layer replaced since the
-last call is seen (a replaced member of a stacked group is stacked again), and so is a weight
-updated in place (its panels are packed again). Not seen: writes through `.data` or to an inference
-tensor, which move no counter. Biases and quantization scales are not watched: one replaced on its
+counters of the weights a step reads (270 for SmolLM2) with the last call's and describes the layers
+again if one changed. The weights are looked up from the blocks by name again whenever a parameter,
+buffer or submodule was assigned to any module since the last call (torch's global registration
+hooks count the assignments: a lookup on every call walks a few thousand Python objects, which the
+step's weights have pushed out of the CPU's caches by then),
+so a weight or a layer replaced since the last call is seen (a replaced member of a stacked group is
+stacked again), and so is a weight updated in place (its panels are packed again). Not seen: writes
+through `.data` or to an inference tensor, which move no counter, and tensors put straight into a
+module's dictionaries, which call no hook. Biases and quantization scales are not watched: one replaced on its
 own (its weight left as it was) is seen only once a weight changes (fast/step/fuse.py's groups have
 the same limit).
 """
@@ -40,6 +44,11 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from cs336_inference.attention import Attention
 from cs336_inference.fast.autotune import decode_linear, settle
@@ -195,6 +204,7 @@ class NativeLayers:
                         (block, part, name, "qweight" if isinstance(layer, QuantizedLinear) else "weight")
                     )
         self._rows, self._seen = torch.empty(0, dtype=torch.int64), None
+        self._assigned, self._tensors, self._versioned = None, [], []
         # fp32 products from panels, decided once (else the planner's layout)
         self.panels = model_panels_on(model)
         for block in model.layers if not self.panels else ():
@@ -211,22 +221,30 @@ class NativeLayers:
 
     def _layers(self) -> Tensor:
         """The layers' descriptor for step.c, rebuilt when a watched tensor moved (else the last one)."""
+        if self._assigned != _assignments:  # something was assigned to some module: look the tensors up again
+            self._assigned = _assignments
+            self._tensors = self._lookup()
+            self._versioned = [t for t in self._tensors if not t.is_inference()]
         seen = self._pointers()
         if seen != self._seen:
             self._rows = self._describe()
             self._seen = self._pointers()
         return self._rows
 
-    def _pointers(self) -> list[int]:
+    def _lookup(self) -> list[Tensor]:
         # nn.Module's own dictionaries: a third of the time of getattr through Module.__getattr__
-        pointers = []
+        tensors = []
         for block, part, name, tensor in self._watch:
             module = block._modules[part]
             module = module if name is None else module._modules[name]
             t = module._parameters.get(tensor)
-            t = module._buffers[tensor] if t is None else t
-            pointers.append((t.data_ptr(), version(t)))
-        return pointers
+            tensors.append(module._buffers[tensor] if t is None else t)
+        return tensors
+
+    def _pointers(self) -> tuple[list[int], list[int]]:
+        # the tensors' data pointers and version counters (inference tensors keep none): a few hundred
+        # objects, which the step's weights have pushed out of the CPU's caches by the next call
+        return [t.data_ptr() for t in self._tensors], [t._version for t in self._versioned]
 
     def _describe(self) -> Tensor:
         rows, codes = [], set()
@@ -311,6 +329,25 @@ class OutputHead:
         if y is None:
             y = decode_linear(self, h)
         return F.linear(h, self.weight) if y is None else y
+
+
+# Every parameter, buffer or submodule assigned to any module (nn.Module.__setattr__, register_*) bumps
+# this count, through torch's global registration hooks: NativeLayers looks its weights up in the
+# modules again only when it moved, and otherwise checks the tensors it holds
+_assignments = 0
+
+
+def _assigned(*args) -> None:
+    global _assignments
+    _assignments += 1
+
+
+for _register in (
+    register_module_parameter_registration_hook,
+    register_module_buffer_registration_hook,
+    register_module_module_registration_hook,
+):
+    _register(_assigned)
 
 
 PHASES = ("norms", "qkv", "rope", "attend", "o", "residual", "gateup", "silu", "down")  # step.c's order
