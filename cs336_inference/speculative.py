@@ -197,6 +197,9 @@ class NGramDraft:
         return torch.tensor(tokens, dtype=torch.long, device=context.device), None
 
 
+LOOKUP_MATCH = 3  # ModelDraft(lookup=True): the context's last tokens that must have occurred before
+
+
 class Steps(Protocol):
     """Runs a model's forwards as fixed-shape steps (what makes a verify pass of k + 1 tokens cost
     about one decode step on a CPU or GPU). The staff fast path provides one
@@ -228,10 +231,19 @@ class ModelDraft:
     from the target's cache position (attending to the target's K/V of the context), and the target's
     verify pass overwrites the K/V it wrote. The output is still an exact sample of the target (only
     the drafts change); acceptance may differ from a draft with its own cache.
+    lookup: prompt lookup first. Where the context's last LOOKUP_MATCH tokens occurred before, the
+    round drafts the up to k tokens that followed them (`prompt_lookup`, p one-hot) and the model does
+    not run: a copy of the prompt costs no draft forward, and the model drafts what is not a copy.
     """
 
-    def __init__(self, model: TransformerLM, steps: Steps | None = None, share_cache: bool = False):
-        self.model, self.steps, self.share_cache = model, steps, share_cache
+    def __init__(
+        self,
+        model: TransformerLM,
+        steps: Steps | None = None,
+        share_cache: bool = False,
+        lookup: bool = False,
+    ):
+        self.model, self.steps, self.share_cache, self.lookup = model, steps, share_cache, lookup
         self.cache: KVCache | None = None
         self.fed: Tensor | None = None  # the tokens the cache holds (own cache only)
         self.forward = model
@@ -273,6 +285,10 @@ class ModelDraft:
                 "the draft has no cache yet: call reset(capacity, k)"
                 + (", then attach(target_cache) (share_cache=True)" if self.share_cache else "")
             )
+        if self.lookup:
+            found = prompt_lookup(context.tolist(), k, LOOKUP_MATCH, LOOKUP_MATCH)
+            if found:
+                return torch.tensor(found, dtype=torch.long, device=context.device), None
         if self.share_cache:  # the target's cache holds every context token but the newest
             if cache.pos != len(context) - 1:
                 raise ValueError(f"the shared cache holds {cache.pos} steps, expected {len(context) - 1}")

@@ -307,7 +307,9 @@ def run_speculative(args: argparse.Namespace) -> dict:
     drafts: dict = {}
     quantized: dict = {}  # one quantized copy per format, shared by its own-cache and shared-cache drafts
     for name in args.drafts.split(","):
-        fmt, shared = name.removesuffix("-shared"), name.endswith("-shared")
+        lookup = name.endswith("-lookup")  # FMT[-shared]-lookup: prompt lookup first, the model where none
+        fmt = name.removesuffix("-lookup")
+        fmt, shared = fmt.removesuffix("-shared"), fmt.endswith("-shared")
         if name == "ngram":
             drafts[name] = "ngram"
         elif name in HEAD_DRAFTS:  # the trained draft head (scripts/train_draft.py)
@@ -318,11 +320,14 @@ def run_speculative(args: argparse.Namespace) -> dict:
 
             if fmt not in quantized:
                 quantized[fmt] = install(quantize_model(load_pretrained(source), fmt, quantize_head=True))
-            drafts[name] = ModelDraft(quantized[fmt], steps, share_cache=True) if shared else quantized[fmt]
+            own = quantized[fmt]
+            drafts[name] = (
+                ModelDraft(own, steps, share_cache=shared, lookup=lookup) if shared or lookup else own
+            )
         else:
             raise BenchmarkError(
                 f"--drafts: unknown draft {name!r} (ngram, {', '.join(HEAD_DRAFTS)}, {', '.join(DRAFT_FORMATS)}, "
-                "each also as FMT-shared)"
+                "each also as FMT-shared, FMT-lookup and FMT-shared-lookup)"
             )
 
     def chat(text: str) -> torch.Tensor:
@@ -646,7 +651,8 @@ def main(argv: list[str] | None = None) -> int:
         "--drafts",
         default="ngram",
         help="comma-separated: ngram, int8, int4, q8_0, q4_0, llm_int8 (the "
-        "target quantized, output matrix too), each also as FMT-shared (drafting on the target's KV cache); "
+        "target quantized, output matrix too), each also as FMT-shared (drafting on the target's KV cache), "
+        "FMT-lookup (prompt lookup first, the model where it finds nothing) and FMT-shared-lookup; "
         "head (the trained draft head, chains of k), head-full (the same reading out all V tokens), head-tree "
         "(its tree), head-gate (the tree's nodes the head is sure enough of), head-auto (tree, adaptive depth and "
         "prompt lookup: what generate.py --draft head runs)",

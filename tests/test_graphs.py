@@ -264,6 +264,34 @@ def test_a_draft_sharing_the_targets_cache_in_fixed_shape_steps_gives_greedy_gen
     assert stats.rejected == 0, f"{mode}: the target as its own draft had {stats.rejected} rejections"
 
 
+@pytest.mark.parametrize("mode", ["eager", "native"])
+def test_lookup_then_a_shared_cache_draft_in_fixed_shape_steps_gives_greedy_generate(mode):
+    """ModelDraft(share_cache=True, lookup=True) on a prompt with repeats: rounds of copies (of any
+    length up to k: a native target runs a step of exactly the drafts it got) and rounds of the
+    model's drafts, the target's greedy tokens."""
+    from cs336_inference.fast.cpu import build
+    from cs336_inference.speculative import ModelDraft, speculative_generate
+
+    if mode != "eager" and build.library() is None:
+        pytest.skip("the C kernels are not built here (CS336_KERNELS=0 or no compiler)")
+    target, draft = tiny("gqa"), tiny("gqa")
+    with torch.no_grad():
+        draft.embed.weight.add_(
+            0.5 * torch.randn(draft.embed.weight.shape, generator=torch.Generator().manual_seed(1))
+        )
+    motif = torch.randint(0, 64, (6,), generator=torch.Generator().manual_seed(7))
+    prompt = torch.cat([torch.randint(0, 64, (5,), generator=torch.Generator().manual_seed(5)), motif, motif])
+    expected = generate(target, prompt, 24, stop_token_ids=[])
+    drafter = ModelDraft(draft, FixedSteps(mode), share_cache=True, lookup=True)
+    got, stats = speculative_generate(
+        target, drafter, prompt, 24, k=4, stop_token_ids=[], return_stats=True, steps=FixedSteps(mode)
+    )
+    assert got.tolist() == expected.tolist(), f"{mode}: lookup, then the shared-cache draft"
+    assert stats.accepted > 0 and stats.rejected > 0, (
+        f"{mode}: {stats.accepted} accepted, {stats.rejected} rejected"
+    )
+
+
 def test_speculative_fixed_steps_refuse_ring_caches_in_one_line():
     from cs336_inference.speculative import speculative_generate
 

@@ -536,10 +536,10 @@ def target_joint(target, ids, top_k=None, top_p=None) -> torch.Tensor:
     return joint
 
 
-def e2e_counts(target, draft, ids, n_runs, share_cache=False, **settings) -> torch.Tensor:
+def e2e_counts(target, draft, ids, n_runs, share_cache=False, lookup=False, **settings) -> torch.Tensor:
     V = target.config.vocab_size
     counts = torch.zeros(V, V)
-    drafter = spec.ModelDraft(draft, share_cache=share_cache)
+    drafter = spec.ModelDraft(draft, share_cache=share_cache, lookup=lookup)
     for seed in range(n_runs):
         out = speculative_generate(
             target, drafter, ids, 3, k=2, temperature=1.0, seed=seed, stop_token_ids=[], **settings
@@ -571,6 +571,54 @@ def test_first_two_tokens_follow_target(settings, n):
         f"{settings}: joint frequencies of the first two tokens {(counts / n).flatten().tolist()} vs the "
         f"target's {expected.flatten().tolist()} (chi-square {stat:.1f}, p-value {pvalue:.1e})"
     )
+
+
+def test_first_two_tokens_follow_target_with_lookup_drafts():
+    """ModelDraft(lookup=True) on a context whose last 3 tokens occurred before: the first round drafts
+    what followed them (one-hot p), later rounds the model's samples; the first two tokens keep the
+    target's joint distribution."""
+    target, draft = e2e_models()
+    ids = torch.tensor([1, 3, 0, 2, 1, 3, 0])
+    first = spec.ModelDraft(draft, lookup=True)
+    first.reset(16, 2)
+    drafts, p = first.propose(ids, 2, SamplingParams(temperature=1.0))
+    assert drafts.tolist() == [2, 1] and p is None, f"test setup: the first round drafted {drafts.tolist()}"
+    counts = e2e_counts(target, draft, ids, 400, lookup=True)
+    expected = target_joint(target, ids)
+    stat, pvalue = chi_square_pvalue(counts, expected)
+    assert pvalue > P_MIN, (
+        f"lookup drafts: joint frequencies of the first two tokens {(counts / 400).flatten().tolist()} vs "
+        f"the target's {expected.flatten().tolist()} (chi-square {stat:.1f}, p-value {pvalue:.1e})"
+    )
+
+
+def test_a_model_draft_with_lookup_copies_without_running_the_model():
+    """lookup=True: where the context's last LOOKUP_MATCH tokens occurred before, propose returns
+    prompt_lookup's continuation (p None) and never calls the model; elsewhere the model's drafts.
+    Greedy speculative decoding with it still gives generate's tokens."""
+    target = tiny_model("gqa")
+    draft = perturbed(target, 0.3)
+    drafter = spec.ModelDraft(draft, lookup=True)
+    calls = []
+    drafter.forward = lambda *a, **kw: calls.append(1) or draft(*a, **kw)
+    repeated = repetitive_prompt(18, 5)
+    drafter.reset(64, 4)
+    tokens, p = drafter.propose(repeated, 4, SamplingParams())
+    expected = spec.prompt_lookup(repeated.tolist(), 4, spec.LOOKUP_MATCH, spec.LOOKUP_MATCH)
+    assert tokens.tolist() == expected and p is None and not calls, (
+        f"a repeated tail: drafted {tokens.tolist()} with {len(calls)} model calls, expected {expected} and none"
+    )
+    fresh = torch.tensor(list(range(10)))  # no token occurs twice: nothing to look up
+    tokens, _ = drafter.propose(fresh, 4, SamplingParams())
+    assert len(calls) == 4 and len(tokens) == 4, f"no match: {len(calls)} model calls, {len(tokens)} drafts"
+    ids = torch.cat([prompt(10, 2), repetitive_prompt(14, 5)])
+    expected = generate(target, ids, 30, stop_token_ids=[])
+    for share_cache in (False, True):
+        got, stats = speculative_generate(
+            target, spec.ModelDraft(draft, share_cache=share_cache, lookup=True), ids, 30, k=4,
+            stop_token_ids=[], return_stats=True,
+        )  # fmt: skip
+        check_tokens(f"lookup, share_cache={share_cache}", got, expected)
 
 
 def test_first_two_tokens_negative_control(monkeypatch):

@@ -277,7 +277,8 @@ class FixedShapes:
     """A model called as `model(ids [1, T], cache=cache)` that runs fixed-shape steps on one cache
     (speculative decoding's target): T = 1 runs the decode step, 1 < T <= T_max runs the T_max-token
     step with the ids padded at the end (the padded positions' K/V land past cache.pos, where the
-    causal mask hides them until real tokens overwrite them), longer inputs (the prompt's prefill) run
+    causal mask hides them until real tokens overwrite them; in mode "native", whose steps compile
+    nothing, a step of T tokens: a round that drafted fewer pays for fewer rows), longer inputs (the prompt's prefill) run
     as `native_prefill` in mode "native" (when only the last position's logits are asked for), else
     the model eagerly. Raises ValueError (one line) for caches the fixed-shape step does not support.
     """
@@ -296,7 +297,9 @@ class FixedShapes:
             if self.mode == "native" and last_only:
                 return native_prefill(self.model, cache, ids)[0][None]
             return self.model(ids, cache=cache, last_only=last_only)
-        size = 1 if T == 1 else self.T_max
+        size = (
+            T if self.mode == "native" else 1 if T == 1 else self.T_max
+        )  # a native step of any T costs no compile
         if size not in self.steps:
             self.steps[size] = FixedStep(self.model, cache, self.mode, size)
         start = cache.pos
@@ -363,6 +366,12 @@ class FixedSteps:
         passes (`FixedShapes.tree`) and the prompt's prefill (`FixedShapes.prefill`)."""
         cache = model.new_cache(1, fixed_capacity(length, model.config.max_seq_len))
         return FixedShapes(model, cache, 1, self.mode), cache
+
+
+def prepare_native(model) -> None:
+    """Make now what `model`'s native steps make on first use (the fp32 weights' panels, a second copy
+    of them: native.py), so that the first prefill does not pay for it."""
+    StaticDecodeStep(model, model.new_cache(1, 1), 1, native=True).native._layers()
 
 
 def prefill(model, cache: KVCache, ids: Int[Tensor, "1 P"], mode: str | None) -> Float[Tensor, "1 V"]:
