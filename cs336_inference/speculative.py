@@ -244,6 +244,7 @@ class ModelDraft:
         lookup: bool = False,
     ):
         self.model, self.steps, self.share_cache, self.lookup = model, steps, share_cache, lookup
+        self.forwards = 0  # the model's forwards since reset (a benchmark's draft cost per round)
         self.cache: KVCache | None = None
         self.fed: Tensor | None = None  # the tokens the cache holds (own cache only)
         self.forward = model
@@ -263,6 +264,7 @@ class ModelDraft:
             )
             self.forward = self.steps(self.model, self.cache, 2)
         self.fed = torch.empty(0, dtype=torch.long, device=self.model.embed.weight.device)
+        self.forwards = 0
 
     def attach(self, cache: KVCache) -> None:
         """share_cache: draft on the target's `cache` from now on (`check_shared_cache` says whether
@@ -303,6 +305,7 @@ class ModelDraft:
         tokens, probs = [], []
         for i in range(k):
             logits = self.forward(new[None], cache=cache, last_only=True)[0, -1]
+            self.forwards += 1
             if greedy:
                 token = logits.argmax()[None]
             else:

@@ -11,8 +11,11 @@ speculative decoding and plain `generate` on the same prompts in the same proces
                      side by side); for a tree draft, its rounds' mean tree pass / the decode step of
                      the row's own target-only runs
     draft cost       time of a 1-token draft step / a 1-token target step (0 for prompt lookup); for a
-                     tree draft, its rounds' mean drafting time, over the same step
-    predicted        tokens/pass / (verify cost + k * draft cost), in units of one target step
+                     tree draft, its rounds' mean drafting time, over the same step; for a model draft
+                     with lookup (ModelDraft(lookup=True)), the model's steps per round times that
+                     ratio (rounds that copy run no model)
+    predicted        tokens/pass / (verify cost + k * draft cost), in units of one target step (a cost
+                     per round counts once)
     speedup          target-only time / speculative time (measured), pooled; per prompt in the JSON
                      ("speedup_per_prompt") and the log. Each prompt's target-only run is repeated
                      right before each row's speculative run of it, and the row's speedup uses those
@@ -257,6 +260,7 @@ def speculative_benchmark(
                 new = passes = accepted = rejected = drafted = 0
                 spec_times, row_base_times, identical, round_drafts = [], [], True, []
                 draft_s = verify_s = 0.0
+                forwards = 0  # a model draft's forwards (with lookup, only its rounds without a copy run it)
                 drafter = draft.make(k) if tree else draft
                 if tree:
                     k = drafter.max_depth
@@ -277,6 +281,7 @@ def speculative_benchmark(
                         )
                     )
                     draft_s += stats.draft_seconds
+                    forwards += getattr(drafter, "forwards", 0)
                     verify_s += stats.verify_seconds
                     spec_times.append(seconds)
                     identical &= torch.equal(out, ref)
@@ -296,6 +301,12 @@ def speculative_benchmark(
                     verify_cost = verify_s / passes / step_s
                     draft_cost = draft_s / passes / step_s
                     round_cost = verify_cost + draft_cost
+                elif getattr(
+                    drafter, "lookup", False
+                ):  # the model ran in some rounds only: its steps per round
+                    verify_cost = costs["verify_ratio"][k]
+                    draft_cost = forwards / passes * draft_ratio[dname]
+                    round_cost = verify_cost + draft_cost
                 else:
                     verify_cost, draft_cost = costs["verify_ratio"][k], draft_ratio[dname]
                     round_cost = verify_cost + k * draft_cost
@@ -311,7 +322,7 @@ def speculative_benchmark(
                     ),
                     verify_cost=verify_cost,
                     draft_cost=draft_cost,
-                    draft_cost_per="round" if tree else "step",
+                    draft_cost_per="round" if tree or getattr(drafter, "lookup", False) else "step",
                     drafted_per_pass=drafted / passes,
                     predicted_speedup=tpp / round_cost,
                     speedup=sum(row_base_times) / spec_s,
