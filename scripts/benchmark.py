@@ -343,6 +343,7 @@ def run_speculative(args: argparse.Namespace) -> dict:
         step_mode=step_mode,
     )  # fmt: skip
     table = spec_bench.format_speculative_table(result["rows"])
+    table += "\n\n" + spec_bench.format_speculative_costs(result["costs"])
     if args.plot:
         spec_bench.plot_speedup(result["rows"], args.plot)
     return {"model": str(source), "threads": torch.get_num_threads(), "prompts": args.prompts,

@@ -714,14 +714,23 @@ def test_benchmark_library_on_tiny_models():
 
     target = tiny_model("gqa")
     model = perturbed(target, 0.3)
-    drafts = {"ngram": "ngram", "model": model, "shared": spec.ModelDraft(model, share_cache=True)}
+    drafts = {"ngram": "ngram", "model": model, "shared": spec.ModelDraft(model, share_cache=True),
+              "lookup": spec.ModelDraft(model, share_cache=True, lookup=True)}  # fmt: skip
     workloads = {"repeat": [repetitive_prompt(20, 1)], "random": [prompt(12, 2)]}
     result = spec_bench.speculative_benchmark(
         target, drafts, workloads, [1, 3], 12, [], runs=1, log=lambda m: None
     )
     rows = result["rows"]
-    assert len(rows) == 2 * 3 * 2 and all(r["identical"] for r in rows)
-    assert result["costs"]["draft_ratio"]["shared"] > 0 and result["costs"]["draft_ratio"]["ngram"] == 0
+    assert len(rows) == 2 * 4 * 2 and all(r["identical"] for r in rows)
+    ratios = result["costs"]["draft_ratio"]
+    assert ratios["shared"] > 0 and ratios["ngram"] == 0
+    for r in rows:  # lookup: the model's steps per round, fewer than k where rounds copied
+        if r["draft"] == "lookup":
+            assert r["draft_cost_per"] == "round" and r["draft_cost"] <= r["k"] * ratios["lookup"] + 1e-9, r
+    copied = [r for r in rows if r["draft"] == "lookup" and r["workload"] == "repeat" and r["k"] == 3]
+    assert copied[0]["draft_cost"] < 3 * ratios["lookup"], f"a repeated prompt's rounds copy: {copied[0]}"
+    line = spec_bench.format_speculative_costs(result["costs"])
+    assert line.startswith("one-token target step") and "verify pass of 2 / 4 tokens" in line, line
     for r in rows:
         assert 1.0 <= r["tokens_per_pass"] <= r["k"] + 1 and r["verify_cost"] > 0 and r["speedup"] > 0
     assert spec_bench.expected_tokens_per_pass(0.8, 4) == pytest.approx(3.3616)

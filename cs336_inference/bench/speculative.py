@@ -369,6 +369,21 @@ def format_speculative_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_speculative_costs(costs: dict) -> str:
+    """One line under the table: the one-token target step, the verify passes and the model drafts' steps
+    in units of it (the pass costs at the first prompt's context)."""
+    ratios = costs["verify_ratio"]
+    sizes = " / ".join(str(k + 1) for k in sorted(ratios))
+    verify = " / ".join(f"{ratios[k]:.2f}" for k in sorted(ratios))
+    line = (
+        f"one-token target step {costs['step_s'] * 1e3:.1f} ms; verify pass of {sizes} tokens: {verify} steps"
+    )
+    drafts = {name: r for name, r in costs.get("draft_ratio", {}).items() if r}
+    if drafts:
+        line += "; a draft step: " + ", ".join(f"{name} {r:.2f}" for name, r in drafts.items())
+    return line
+
+
 def plot_speedup(rows: list[dict], path) -> None:
     """Measured (solid) and predicted (dashed) speedup against k, one line per workload and draft."""
     import matplotlib
