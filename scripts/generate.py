@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-shares-cache",
         action="store_true",
         help="the draft model drafts on the target's KV cache (needs the target's cache shapes, e.g. "
-        "--draft int4): no prefill or cache of its own",
+        "--draft int8): no prefill or cache of its own",
     )
     p.add_argument(
         "--draft-lookup",
@@ -174,7 +174,7 @@ def check_args(args: argparse.Namespace) -> None:
             f"--draft: no such file or folder (or 'ngram', {', '.join(SELF_DRAFTS)}): {args.draft}"
         )
     if args.draft_shares_cache and args.draft in (None, "ngram", "head"):
-        raise UsageError("--draft-shares-cache needs a draft model (e.g. --draft int4)")
+        raise UsageError("--draft-shares-cache needs a draft model (e.g. --draft int8)")
     if args.draft_lookup and args.draft in (None, "ngram", "head"):
         raise UsageError(
             "--draft-lookup needs a draft model (e.g. --draft int8); ngram and head look up already"

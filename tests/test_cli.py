@@ -59,6 +59,8 @@ def run_cli(*args: str, stdin: str | None = None, timeout: float = 900) -> subpr
         (["--draft", "ngram", "--no-cache"], "--draft"),
         (["--draft-shares-cache"], "--draft-shares-cache"),
         (["--draft", "ngram", "--draft-shares-cache"], "--draft-shares-cache"),
+        (["--draft-lookup"], "--draft-lookup"),
+        (["--draft", "head", "--draft-lookup"], "--draft-lookup"),
         (["--compile"], "--compile"),
         (["--eager", "--draft", "ngram", "--compile"], "--compile"),
         (["--speculate-k", "3"], "--speculate-k"),
@@ -181,12 +183,15 @@ def test_speculative_draft_gives_the_same_tokens_and_reports_alpha(tiny_checkpoi
     ngram = run_cli(*args, "--json", "--draft", "ngram", "--speculate-k", "3", prompt)
     model_draft = run_cli(*args, "--draft", str(tiny_checkpoint), "--speculate-k", "2", prompt)  # text mode
     shared = run_cli(*args, "--json", "--draft", "int8", "--draft-shares-cache", "--speculate-k", "2", prompt)
-    for r in (plain, ngram, model_draft, shared):
+    lookup = run_cli(*args, "--json", "--draft", "int8", "--draft-shares-cache", "--draft-lookup", prompt)
+    for r in (plain, ngram, model_draft, shared, lookup):
         assert r.returncode == 0, r.stderr
     out, spec = json.loads(plain.stdout), json.loads(ngram.stdout)
     assert spec["token_ids"] == out["token_ids"], "greedy speculative output must equal plain greedy"
     shared = json.loads(shared.stdout)  # the model's int8 weights drafting on its own cache
     assert shared["token_ids"] == out["token_ids"] and shared["speculative"]["draft"] == "int8"
+    lookup = json.loads(lookup.stdout)  # the same, copying from the prompt where lookup matches
+    assert lookup["token_ids"] == out["token_ids"], "--draft-lookup: greedy output must equal plain greedy"
     s = spec["speculative"]
     assert s["draft"] == "ngram" and s["k"] == 3 and s["new_tokens"] == spec["generated_tokens"]
     assert 0 <= s["alpha"] <= 1 and s["tokens_per_pass"] == s["new_tokens"] / s["target_passes"]
