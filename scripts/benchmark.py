@@ -295,8 +295,8 @@ def run_speculative(args: argparse.Namespace) -> dict:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     ks = numbers(args.ks, "--ks")
-    if args.prompts < 1 or args.max_new_tokens < 1 or not ks or min(ks) < 1:
-        raise BenchmarkError("--prompts, --max-new-tokens and every k must be >= 1")
+    if args.prompts < 1 or args.max_new_tokens < 1 or not ks or min(ks) < 1 or args.repeats < 1:
+        raise BenchmarkError("--prompts, --max-new-tokens, --repeats and every k must be >= 1")
     if args.compiled and args.native:
         raise BenchmarkError("--compiled and --native: choose one way to run the fixed-shape steps")
     step_mode = "native" if args.native else "compile" if args.compiled else None
@@ -340,7 +340,7 @@ def run_speculative(args: argparse.Namespace) -> dict:
     stops = list(dict.fromkeys(list(tokenizer.eos_token_ids) + target.config.eos_token_ids))
     result = spec_bench.speculative_benchmark(
         target, drafts, workloads, ks, args.max_new_tokens, stops, runs=args.runs, log=log,
-        step_mode=step_mode,
+        step_mode=step_mode, repeats=args.repeats,
     )  # fmt: skip
     table = spec_bench.format_speculative_table(result["rows"])
     table += "\n\n" + spec_bench.format_speculative_costs(result["costs"])
@@ -665,6 +665,12 @@ def main(argv: list[str] | None = None) -> int:
         "--max-new-tokens", type=int, default=64, help="new tokens per prompt (greedy, EOS stops)"
     )
     spec.add_argument("--runs", type=int, default=3, help="timed runs per pass-cost measurement (median)")
+    spec.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="times each prompt's baseline and speculative run alternate; their medians are the times",
+    )
     spec.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     spec.add_argument("--out", type=Path, help="write the results as JSON here")
     spec.add_argument("--plot", type=Path, help="write a PNG of speedup vs k here")

@@ -731,6 +731,16 @@ def test_benchmark_library_on_tiny_models():
     assert copied[0]["draft_cost"] < 3 * ratios["lookup"], f"a repeated prompt's rounds copy: {copied[0]}"
     line = spec_bench.format_speculative_costs(result["costs"])
     assert line.startswith("one-token target step") and "verify pass of 2 / 4 tokens" in line, line
+    twice = spec_bench.speculative_benchmark(
+        target, {"shared": drafts["shared"]}, workloads, [3], 12, [], runs=1, log=lambda m: None, repeats=2
+    )["rows"]  # greedy: every repeat drafts and accepts the same, so the pooled counts keep their ratios
+    once = [r for r in rows if r["draft"] == "shared" and r["k"] == 3]
+    for a, b in zip(once, twice, strict=True):
+        assert (a["alpha"], a["tokens_per_pass"]) == (b["alpha"], b["tokens_per_pass"]) and b["identical"], (
+            a,
+            b,
+        )
+        assert b["accepted"] == 2 * a["accepted"], f"repeats=2 pools both runs' counts: {a} vs {b}"
     for r in rows:
         assert 1.0 <= r["tokens_per_pass"] <= r["k"] + 1 and r["verify_cost"] > 0 and r["speedup"] > 0
     assert spec_bench.expected_tokens_per_pass(0.8, 4) == pytest.approx(3.3616)

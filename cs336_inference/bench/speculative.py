@@ -20,7 +20,8 @@ speculative decoding and plain `generate` on the same prompts in the same proces
                      ("speedup_per_prompt") and the log. Each prompt's target-only run is repeated
                      right before each row's speculative run of it, and the row's speedup uses those
                      times: a memory bandwidth that drifts over the minutes a workload takes moves the
-                     speed of both alike
+                     speed of both alike. With repeats > 1 the pair alternates that many times and
+                     each prompt's times are the medians
     decode speedup   the same with the prompts' prefill taken out of both times (the prefill of
                      each prompt as the runs do it, timed alone: `prefill_seconds`). Speculation does not touch the
                      prefill, a tenth to a fifth of the time of 64 new tokens for the benchmark's
@@ -210,12 +211,15 @@ def speculative_benchmark(
     runs: int = 3,
     log: Log = print,
     step_mode: str | None = None,
+    repeats: int = 1,
 ) -> dict:
     """Greedy speculative decoding vs target-only decoding; returns {"rows": [...], "costs": {...}}.
 
     drafts: name -> "ngram" / NGramDraft / TransformerLM / ModelDraft (e.g. share_cache=True);
     workloads: name -> list of prompt ids.
     Each (workload, draft, k) row pools the workload's prompts. step_mode: see the module docstring.
+    repeats: each prompt's baseline and speculative run alternate this many times; the times are their
+    medians (the counts pool every repeat).
     """
     first = next(iter(workloads.values()))[0]
     log(f"pass costs at a context of {len(first)} tokens{'' if step_mode is None else ', ' + step_mode}:")
@@ -267,30 +271,34 @@ def speculative_benchmark(
                 # a chain draft takes k; a tree draft has its own shape
                 run = tree_generate if tree else functools.partial(speculative_generate, k=k)
                 for ids, ref in zip(prompts, base_tokens, strict=True):
-                    # the baseline again right before: the speedup pairs runs seconds apart, not minutes
-                    row_base_times.append(_timed(lambda ids=ids: target_only(ids))[1])
-                    (out, stats), seconds = _timed(
-                        lambda ids=ids, run=run, drafter=drafter: run(
-                            target,
-                            drafter,
-                            ids,
-                            max_new_tokens,
-                            stop_token_ids=stop_token_ids,
-                            return_stats=True,
-                            steps=None if step_mode is None else FixedSteps(step_mode),
+                    bases, specs = [], []
+                    for _ in range(repeats):
+                        # the baseline again right before: the speedup pairs runs seconds apart, not minutes
+                        bases.append(_timed(lambda ids=ids: target_only(ids))[1])
+                        (out, stats), seconds = _timed(
+                            lambda ids=ids, run=run, drafter=drafter: run(
+                                target,
+                                drafter,
+                                ids,
+                                max_new_tokens,
+                                stop_token_ids=stop_token_ids,
+                                return_stats=True,
+                                steps=None if step_mode is None else FixedSteps(step_mode),
+                            )
                         )
-                    )
-                    draft_s += stats.draft_seconds
-                    forwards += getattr(drafter, "forwards", 0)
-                    verify_s += stats.verify_seconds
-                    spec_times.append(seconds)
-                    identical &= torch.equal(out, ref)
-                    new += stats.new_tokens
-                    passes += stats.target_passes
-                    accepted += stats.accepted
-                    rejected += stats.rejected
-                    drafted += stats.drafted
-                    round_drafts += stats.round_drafts
+                        specs.append(seconds)
+                        draft_s += stats.draft_seconds
+                        forwards += getattr(drafter, "forwards", 0)
+                        verify_s += stats.verify_seconds
+                        identical &= torch.equal(out, ref)
+                        new += stats.new_tokens
+                        passes += stats.target_passes
+                        accepted += stats.accepted
+                        rejected += stats.rejected
+                        drafted += stats.drafted
+                        round_drafts += stats.round_drafts
+                    row_base_times.append(statistics.median(bases))
+                    spec_times.append(statistics.median(specs))
                 spec_s = sum(spec_times)
                 alpha = accepted / (accepted + rejected) if accepted + rejected else float("nan")
                 tpp = new / passes

@@ -277,10 +277,10 @@ class FixedShapes:
     """A model called as `model(ids [1, T], cache=cache)` that runs fixed-shape steps on one cache
     (speculative decoding's target): T = 1 runs the decode step, 1 < T <= T_max runs the T_max-token
     step with the ids padded at the end (the padded positions' K/V land past cache.pos, where the
-    causal mask hides them until real tokens overwrite them; in mode "native", whose steps compile
-    nothing, a step of T tokens: a round that drafted fewer pays for fewer rows), longer inputs (the prompt's prefill) run
-    as `native_prefill` in mode "native" (when only the last position's logits are asked for), else
-    the model eagerly. Raises ValueError (one line) for caches the fixed-shape step does not support.
+    causal mask hides them until real tokens overwrite them); in mode "native", whose steps compile
+    nothing, a step of exactly T tokens, so that a round that drafted fewer pays for fewer rows.
+    Longer inputs (the prompt's prefill) run as `native_prefill` in mode "native" (when only the last
+    position's logits are asked for), else the model eagerly. Raises ValueError (one line) for caches the fixed-shape step does not support.
     """
 
     def __init__(self, model, cache: KVCache, T_max: int, mode: str | None = None):
@@ -297,9 +297,7 @@ class FixedShapes:
             if self.mode == "native" and last_only:
                 return native_prefill(self.model, cache, ids)[0][None]
             return self.model(ids, cache=cache, last_only=last_only)
-        size = (
-            T if self.mode == "native" else 1 if T == 1 else self.T_max
-        )  # a native step of any T costs no compile
+        size = T if self.mode == "native" else 1 if T == 1 else self.T_max
         if size not in self.steps:
             self.steps[size] = FixedStep(self.model, cache, self.mode, size)
         start = cache.pos

@@ -28,14 +28,13 @@ Weights are read through their data pointers. Each call compares the data pointe
 counters of the weights a step reads (270 for SmolLM2) with the last call's and describes the layers
 again if one changed. The weights are looked up from the blocks by name again whenever a parameter,
 buffer or submodule was assigned to any module since the last call (torch's global registration
-hooks count the assignments: a lookup on every call walks a few thousand Python objects, which the
-step's weights have pushed out of the CPU's caches by then),
-so a weight or a layer replaced since the last call is seen (a replaced member of a stacked group is
-stacked again), and so is a weight updated in place (its panels are packed again). Not seen: writes
-through `.data` or to an inference tensor, which move no counter, and tensors put straight into a
-module's dictionaries, which call no hook. Biases and quantization scales are not watched: one replaced on its
-own (its weight left as it was) is seen only once a weight changes (fast/step/fuse.py's groups have
-the same limit).
+hooks count the assignments; a lookup on every call walks a few thousand Python objects, which the
+step's weights have pushed out of the CPU's caches by then). So a weight or a layer replaced since
+the last call is seen (a replaced member of a stacked group is stacked again), and so is a weight
+updated in place (its panels are packed again). Not seen: writes through `.data` or to an inference
+tensor, which move no counter, and tensors put straight into a module's dictionaries, which call no
+hook. Biases and quantization scales are not watched: one replaced on its own (its weight left as it
+was) is seen only once a weight changes (fast/step/fuse.py's groups have the same limit).
 """
 
 from __future__ import annotations
@@ -221,7 +220,7 @@ class NativeLayers:
 
     def _layers(self) -> Tensor:
         """The layers' descriptor for step.c, rebuilt when a watched tensor moved (else the last one)."""
-        if self._assigned != _assignments:  # something was assigned to some module: look the tensors up again
+        if self._assigned != _assignments:  # something was assigned to a module: look the weights up again
             self._assigned = _assignments
             self._tensors = self._lookup()
             self._versioned = [t for t in self._tensors if not t.is_inference()]
