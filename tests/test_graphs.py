@@ -201,6 +201,17 @@ def test_compiled_speculative_decoding_is_greedy_generate(mode):
     assert got.tolist() == expected.tolist() and stats.accepted > 0
 
 
+def _target_and_perturbed_draft() -> tuple[TransformerLM, TransformerLM]:
+    """The gqa tiny model and a copy with its embedding perturbed: a draft that agrees with the target
+    often, not always."""
+    target, draft = tiny("gqa"), tiny("gqa")
+    with torch.no_grad():
+        draft.embed.weight.add_(
+            0.5 * torch.randn(draft.embed.weight.shape, generator=torch.Generator().manual_seed(1))
+        )
+    return target, draft
+
+
 @pytest.mark.parametrize("mode", ["eager", "compile", "native"])
 def test_a_model_draft_in_fixed_shape_steps_gives_greedy_generate(mode):
     """With steps, a TransformerLM draft runs fixed-shape steps of 1 and 2 tokens on its own cache:
@@ -210,11 +221,7 @@ def test_a_model_draft_in_fixed_shape_steps_gives_greedy_generate(mode):
 
     if mode != "eager" and build.library() is None:
         pytest.skip("the C kernels are not built here (CS336_KERNELS=0 or no compiler)")
-    target, draft = tiny("gqa"), tiny("gqa")
-    with torch.no_grad():  # a draft that agrees with the target often, not always
-        draft.embed.weight.add_(
-            0.5 * torch.randn(draft.embed.weight.shape, generator=torch.Generator().manual_seed(1))
-        )
+    target, draft = _target_and_perturbed_draft()
     prompt = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(5))
     expected = generate(target, prompt, 24, stop_token_ids=[])
     for k in (1, 3):
@@ -247,11 +254,7 @@ def test_a_draft_sharing_the_targets_cache_in_fixed_shape_steps_gives_greedy_gen
 
     if mode != "eager" and build.library() is None:
         pytest.skip("the C kernels are not built here (CS336_KERNELS=0 or no compiler)")
-    target, draft = tiny("gqa"), tiny("gqa")
-    with torch.no_grad():
-        draft.embed.weight.add_(
-            0.5 * torch.randn(draft.embed.weight.shape, generator=torch.Generator().manual_seed(1))
-        )
+    target, draft = _target_and_perturbed_draft()
     prompt = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(5))
     expected = generate(target, prompt, 24, stop_token_ids=[])
     for name, model in (("perturbed", draft), ("target", target)):
@@ -274,11 +277,7 @@ def test_lookup_then_a_shared_cache_draft_in_fixed_shape_steps_gives_greedy_gene
 
     if mode != "eager" and build.library() is None:
         pytest.skip("the C kernels are not built here (CS336_KERNELS=0 or no compiler)")
-    target, draft = tiny("gqa"), tiny("gqa")
-    with torch.no_grad():
-        draft.embed.weight.add_(
-            0.5 * torch.randn(draft.embed.weight.shape, generator=torch.Generator().manual_seed(1))
-        )
+    target, draft = _target_and_perturbed_draft()
     motif = torch.randint(0, 64, (6,), generator=torch.Generator().manual_seed(7))
     prompt = torch.cat([torch.randint(0, 64, (5,), generator=torch.Generator().manual_seed(5)), motif, motif])
     expected = generate(target, prompt, 24, stop_token_ids=[])
