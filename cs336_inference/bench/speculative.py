@@ -23,10 +23,10 @@ speculative decoding and plain `generate` on the same prompts in the same proces
                      speed of both alike. With repeats > 1 the pair alternates that many times and
                      each prompt's times are the medians
     decode speedup   the same with the prompts' prefill taken out of both times (the prefill of
-                     each prompt as the runs do it, timed alone: `prefill_seconds`). Speculation does not touch the
-                     prefill, a tenth to a fifth of the time of 64 new tokens for the benchmark's
-                     prompts on a CPU; this is the measured figure to set beside the predicted one,
-                     which counts rounds only
+                     each prompt as the runs do it, timed alone: `prefill_seconds`). Speculation does
+                     not touch the prefill, a tenth to a fifth of the time of 64 new tokens for the
+                     benchmark's prompts on a CPU; this is the measured figure to set beside the
+                     predicted one, which counts rounds only
     identical        greedy speculative output == greedy generate output, every prompt
 
 Times are wall clock on whatever device the models are on (CUDA events on a GPU).
@@ -266,6 +266,8 @@ def speculative_benchmark(
                 draft_s = verify_s = 0.0
                 forwards = 0  # a model draft's forwards (with lookup, only its rounds without a copy run it)
                 drafter = draft.make(k) if tree else draft
+                # ModelDraft(lookup=True): the rounds that copy run no model
+                copies = getattr(drafter, "lookup", False)
                 if tree:
                     k = drafter.max_depth
                 # a chain draft takes k; a tree draft has its own shape
@@ -309,9 +311,7 @@ def speculative_benchmark(
                     verify_cost = verify_s / passes / step_s
                     draft_cost = draft_s / passes / step_s
                     round_cost = verify_cost + draft_cost
-                elif getattr(
-                    drafter, "lookup", False
-                ):  # the model ran in some rounds only: its steps per round
+                elif copies:  # the model ran in some rounds only: its steps per round
                     verify_cost = costs["verify_ratio"][k]
                     draft_cost = forwards / passes * draft_ratio[dname]
                     round_cost = verify_cost + draft_cost
@@ -330,7 +330,7 @@ def speculative_benchmark(
                     ),
                     verify_cost=verify_cost,
                     draft_cost=draft_cost,
-                    draft_cost_per="round" if tree or getattr(drafter, "lookup", False) else "step",
+                    draft_cost_per="round" if tree or copies else "step",
                     drafted_per_pass=drafted / passes,
                     predicted_speedup=tpp / round_cost,
                     speedup=sum(row_base_times) / spec_s,

@@ -279,8 +279,9 @@ class FixedShapes:
     step with the ids padded at the end (the padded positions' K/V land past cache.pos, where the
     causal mask hides them until real tokens overwrite them); in mode "native", whose steps compile
     nothing, a step of exactly T tokens, so that a round that drafted fewer pays for fewer rows.
-    Longer inputs (the prompt's prefill) run as `native_prefill` in mode "native" (when only the last
-    position's logits are asked for), else the model eagerly. Raises ValueError (one line) for caches the fixed-shape step does not support.
+    Longer inputs (the prompt's prefill) run as `prefill` when only the last position's logits are
+    asked for, else the model eagerly. Raises ValueError (one line) for caches the fixed-shape step
+    does not support.
     """
 
     def __init__(self, model, cache: KVCache, T_max: int, mode: str | None = None):
@@ -294,9 +295,9 @@ class FixedShapes:
             raise ValueError("a FixedShapes model runs the cache it was made with, not another")
         T = ids.shape[1]
         if T > self.T_max:
-            if self.mode == "native" and last_only:
-                return native_prefill(self.model, cache, ids)[0][None]
-            return self.model(ids, cache=cache, last_only=last_only)
+            if last_only:
+                return prefill(self.model, cache, ids, self.mode)[:, None]
+            return self.model(ids, cache=cache)
         size = T if self.mode == "native" else 1 if T == 1 else self.T_max
         if size not in self.steps:
             self.steps[size] = FixedStep(self.model, cache, self.mode, size)
