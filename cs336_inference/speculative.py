@@ -35,6 +35,7 @@ from torch import Tensor
 
 from .kv_cache import KVCache, RingKVCache
 from .model import TransformerLM
+from .nucleus import filter_row
 from .sampling import SamplingParams, as_prompt_list, filter_logits, sampling_params
 
 
@@ -44,12 +45,17 @@ def sampling_probs(
 ) -> Float[Tensor, "... V"]:
     """The distribution `sample_next_token` draws from, as float32 probabilities.
 
-    temperature 0: one-hot at the argmax (greedy); otherwise softmax after temperature, top-k, top-p.
+    temperature 0: one-hot at the argmax (greedy); otherwise softmax after temperature, top-k, top-p
+    (with top-p, row by row through nucleus.filter_row: filter_logits' bits without sorting the row).
     """
     shape = logits.shape
     logits = logits.reshape(-1, shape[-1]).float()
     if temperature == 0.0:
         probs = F.one_hot(logits.argmax(dim=-1), shape[-1]).float()
+    elif top_p is not None and top_p < 1.0:
+        probs = torch.cat([filter_row(row[None], temperature, top_k, top_p) for row in logits]).softmax(
+            dim=-1
+        )
     else:
         probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
     return probs.reshape(shape)

@@ -780,3 +780,31 @@ def test_graph_generate_native_is_greedy_generate_from_a_long_prompt():
     prompt = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(3))
     expected = generate(model, prompt, 20, stop_token_ids=[])
     assert graph_generate(model, prompt, 20, "native").tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("slice_size", [256, 4], ids=["nuclei in the slice", "nuclei wider than the slice"])
+def test_step_stream_samples_what_generate_samples_without_sorting_rows(slice_size, monkeypatch):
+    """The fast decode loop draws its sampled tokens through nucleus.draw_seeded: with a seed, the
+    tokens of `generate` (which sorts every row for top-p), and no row sorted by top_p_filter. A slice
+    of 4 tokens sends most nuclei down the wider path."""
+    from cs336_inference import nucleus, sampling
+    from cs336_inference.fast.step.fixed import step_stream
+
+    monkeypatch.setattr(nucleus, "NUCLEUS_SLICE", slice_size)
+    sorts = []
+    real = sampling.top_p_filter
+    monkeypatch.setattr(sampling, "top_p_filter", lambda x, p: sorts.append(1) or real(x, p))
+    model = tiny("gqa")
+    prompt = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(4))
+    for settings in (
+        dict(temperature=1.0, top_p=0.9, seed=1),
+        dict(temperature=0.7, top_p=0.5, seed=2),
+        dict(temperature=1.5, top_k=10, top_p=0.99, seed=3),
+        dict(temperature=1.0, seed=4),
+    ):
+        sorts.clear()
+        got = list(step_stream(model, prompt, 20, "eager", stop_token_ids=[], **settings))
+        assert not sorts, f"{settings}: the fast loop sorted {len(sorts)} rows for top-p"
+        expected = generate(model, prompt, 20, stop_token_ids=[], **settings)
+        assert sorts or "top_p" not in settings, "generate should sort its rows (else this checks nothing)"
+        assert got == expected.tolist(), f"{settings}: step_stream drew {got}, generate {expected.tolist()}"

@@ -10,9 +10,11 @@ nucleus is wider than the sorted slice.
 import pytest
 import torch
 
+from cs336_inference import nucleus
+from cs336_inference.nucleus import nucleus_mask, nucleus_slice
 from cs336_inference.sampling import top_p_filter
 from cs336_inference.serving import sampler
-from cs336_inference.serving.sampler import nucleus_mask, nucleus_slice, sample_rows
+from cs336_inference.serving.sampler import sample_rows
 from tests.test_sampling import CHI2_CRITICAL_999, chi_square
 
 ROW = [1.2, 0.4, -0.3, 0.9, -1.0, 0.1, 0.6, -0.6]  # V = 8
@@ -51,7 +53,7 @@ def mixed_counts(seed: int = 0) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("slice_size", [256, 2], ids=["nuclei in the slice", "wider nuclei: whole rows"])
 def test_every_row_of_a_mixed_batch_draws_its_own_truncated_softmax(slice_size, monkeypatch):
-    monkeypatch.setattr(sampler, "NUCLEUS_SLICE", slice_size)
+    monkeypatch.setattr(nucleus, "NUCLEUS_SLICE", slice_size)
     counts = mixed_counts()
     for (t, k, p), c in zip(CONFIGS, counts, strict=True):
         want = plain_truncated_softmax(ROW, t, k, p)
@@ -101,9 +103,9 @@ def test_the_chi_square_rejects_the_neighbouring_mistakes():
 @pytest.mark.parametrize("sort", ["numpy", "torch"], ids=["cpu sort", "torch.sort (other devices)"])
 def test_nucleus_equals_top_p_filter_token_for_token(sort, wide, monkeypatch):
     if sort == "torch":
-        monkeypatch.setattr(sampler, "sorted_descending", lambda p: p.sort(dim=-1, descending=True).values)
+        monkeypatch.setattr(nucleus, "sorted_descending", lambda p: p.sort(dim=-1, descending=True).values)
     if wide is not None:  # the partial sort (NUCLEUS_WIDE), then every value for the wider nuclei
-        monkeypatch.setattr(sampler, "NUCLEUS_WIDE", wide)
+        monkeypatch.setattr(nucleus, "NUCLEUS_WIDE", wide)
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(24, 1000, generator=g) * torch.linspace(0.2, 6.0, 24)[:, None]  # flat to peaked
     ps = torch.linspace(0.05, 0.995, 24)
@@ -121,7 +123,7 @@ def test_nucleus_equals_top_p_filter_token_for_token(sort, wide, monkeypatch):
 
 
 def test_a_nucleus_inside_the_slice_is_top_p_filters_token_for_token(monkeypatch):
-    monkeypatch.setattr(sampler, "NUCLEUS_SLICE", 40)
+    monkeypatch.setattr(nucleus, "NUCLEUS_SLICE", 40)
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(24, 1000, generator=g) * torch.linspace(0.5, 6.0, 24)[:, None]
     ps = torch.linspace(0.995, 0.3, 24)  # nuclei of 1 to 981 tokens, one of 41
@@ -169,7 +171,7 @@ def test_the_ends_of_the_uniform_draw_a_possible_token(u, slice_size, monkeypatc
     """u = 0 must skip leading tokens of zero probability, and u just below 1 must not run past the
     last possible token into trailing ones (or past the end), even where u * total rounds up to total
     (u = 1 here)."""
-    monkeypatch.setattr(sampler, "NUCLEUS_SLICE", slice_size)  # 0: row 2's one-token nucleus is "wider"
+    monkeypatch.setattr(nucleus, "NUCLEUS_SLICE", slice_size)  # 0: row 2's one-token nucleus is "wider"
     monkeypatch.setattr(
         sampler.torch, "rand", lambda *shape, **kw: torch.full(shape, u, dtype=kw.get("dtype"))
     )
@@ -225,21 +227,21 @@ def _rows_to_filter(V: int = 4000, n: int = 36) -> tuple[torch.Tensor, list[tupl
 
 
 def _count_fallbacks(monkeypatch) -> list[bool]:
-    """Record, for each filter_logits call of serving/sampler.py, whether it was given top_p (a row
-    that went to filter_logits whole) or not (the fast nucleus)."""
+    """Record, for each filter_logits call of nucleus.py, whether it was given top_p (a row that went
+    to filter_logits whole) or not (the fast nucleus)."""
     calls = []
-    real = sampler.filter_logits
+    real = nucleus.filter_logits
 
     def counted(logits, temperature, top_k=None, top_p=None):
         calls.append(top_p is not None)
         return real(logits, temperature, top_k, top_p)
 
-    monkeypatch.setattr(sampler, "filter_logits", counted)
+    monkeypatch.setattr(nucleus, "filter_logits", counted)
     return calls
 
 
 def test_filter_row_gives_filter_logits_bits_without_sorting(monkeypatch):
-    """The seeded rows' filter (sampler.filter_row) against sampling.filter_logits, bit for bit, on
+    """The seeded rows' filter (nucleus.filter_row) against sampling.filter_logits, bit for bit, on
     rows whose nucleus is inside and outside the slice; none of them goes to filter_logits whole."""
     from cs336_inference.sampling import filter_logits
 
@@ -248,14 +250,14 @@ def test_filter_row_gives_filter_logits_bits_without_sorting(monkeypatch):
     widths = []
     for b, (t, k, p) in enumerate(cfgs):
         row = logits[b : b + 1]
-        got, want = sampler.filter_row(row, t, k, p), filter_logits(row, t, k, p)
+        got, want = nucleus.filter_row(row, t, k, p), filter_logits(row, t, k, p)
         widths.append(int(torch.isfinite(want).sum()))
         assert torch.equal(got, want), (
             f"row {b} (T={t}, k={k}, p={p:.3f}): {int(torch.isfinite(got).sum())} tokens kept, "
             f"filter_logits keeps {widths[-1]}, or their values differ"
         )
     assert not any(calls), f"{sum(calls)} rows without ties went to filter_logits whole"
-    assert min(widths) == 1 and sum(w > sampler.NUCLEUS_SLICE for w in widths) >= 5, widths
+    assert min(widths) == 1 and sum(w > nucleus.NUCLEUS_SLICE for w in widths) >= 5, widths
 
 
 def test_filter_row_with_ties_at_the_edge_of_the_nucleus(monkeypatch):
@@ -272,7 +274,7 @@ def test_filter_row_with_ties_at_the_edge_of_the_nucleus(monkeypatch):
         p = 0.1 + 0.85 * b / 59
         row = logits[b : b + 1]
         before = len(calls)
-        got = sampler.filter_row(row, 1.0, None, p)
+        got = nucleus.filter_row(row, 1.0, None, p)
         outcomes.append(any(calls[before:]))  # filter_logits given top_p: the whole row
         want = filter_logits(row, 1.0, None, p)
         if not outcomes[-1]:
@@ -298,7 +300,7 @@ def test_draw_seeded_draws_what_sample_next_token_draws():
         t, k, p = [0.7, 1.0, 1.3][b % 3], [None, 50][b % 2], [None, 0.9, 0.5, 0.99][b % 4]
         for draw in range(3):
             row = logits[b : b + 1]
-            token, filtered = sampler.draw_seeded(row, t, k, p, ours)
+            token, filtered = nucleus.draw_seeded(row, t, k, p, ours)
             want = int(sample_next_token(row, t, k, p, theirs)[0])
             assert token == want, f"row {b} draw {draw} (T={t}, k={k}, p={p}): drew {token}, expected {want}"
             assert torch.equal(ours.get_state(), theirs.get_state()), (

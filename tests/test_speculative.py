@@ -773,3 +773,21 @@ def test_verify_pass_of_five_tokens_costs_under_1_5_steps_on_gpu():
     assert verify < 1.5 * step, (
         f"verify pass of 5 tokens {verify * 1e3:.2f} ms vs one step {step * 1e3:.2f} ms"
     )
+
+
+@pytest.mark.parametrize("slice_size", [256, 4], ids=["nuclei in the slice", "nuclei wider than the slice"])
+def test_sampling_probs_with_top_p_is_filter_logits_softmax_bit_for_bit(slice_size, monkeypatch):
+    """sampling_probs finds each row's top-p nucleus without sorting the row (nucleus.filter_row);
+    the probabilities equal softmax(filter_logits) row by row, bit for bit, for rows of [k+1, V]."""
+    from cs336_inference import nucleus, sampling
+
+    monkeypatch.setattr(nucleus, "NUCLEUS_SLICE", slice_size)
+    logits = (
+        torch.randn(7, 300, generator=torch.Generator().manual_seed(5)) * torch.linspace(0.3, 5, 7)[:, None]
+    )
+    for t, k, p in [(1.0, None, 0.9), (0.7, None, 0.5), (1.3, 40, 0.95), (1.0, None, 0.999)]:
+        got = spec.sampling_probs(logits, t, k, p)
+        want = torch.cat([sampling.filter_logits(row[None], t, k, p) for row in logits]).softmax(dim=-1)
+        wrong = [b for b in range(7) if not torch.equal(got[b], want[b])]
+        assert not wrong, f"T={t}, k={k}, p={p}: rows {wrong} differ from softmax(filter_logits)"
+    assert spec.sampling_probs(logits[0], 1.0, None, 0.9).shape == (300,), "a single row keeps its shape"

@@ -51,6 +51,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..nucleus import draw_seeded, filter_row
 from ..sampling import (
     SamplingParams,
     TokenLogprobs,
@@ -62,7 +63,7 @@ from ..sampling import (
 from .block_manager import BlockManager
 from .paged_attention import PagedBatch, PagedKVCache
 from .request import Request, RequestOutput
-from .sampler import draw_seeded, filter_row, sample_rows
+from .sampler import sample_rows
 from .scheduler import Scheduler
 
 
@@ -326,7 +327,7 @@ class LLMEngine:
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Next token of each sequence from its row of logits: greedy rows in one argmax, unseeded
         sampled rows in one batched draw (`sampler.sample_rows`), seeded rows one by one with their own
-        generator (`sampler.draw_seeded`: the token `sample_next_token` draws, so a seed draws as in
+        generator (`nucleus.draw_seeded`: the token `sample_next_token` draws, so a seed draws as in
         `generate`); and, where params.logprobs is set, the token's log-probability (those of
         `sampled_logprobs`)."""
         constraints = [seq.constraint for seq, _ in picks]

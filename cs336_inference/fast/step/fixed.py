@@ -47,6 +47,7 @@ from cs336_inference.fast.cpu import build, ops
 from cs336_inference.fast.step.fuse import fuse_siblings
 from cs336_inference.fast.step.native import PHASES, NativeLayers, OutputHead, tree_bits
 from cs336_inference.kv_cache import KVCache, StaticKVCache
+from cs336_inference.nucleus import draw_seeded
 from cs336_inference.sampling import (
     SamplingParams,
     advance,
@@ -455,7 +456,10 @@ def step_stream(
         for n in range(max_new_tokens):
             constraints = None if constraint is None else [constraint]
             constrain(logits, constraints)
-            token = sample_next_token(logits, temperature, top_k, top_p, generator)
+            if temperature == 0.0:
+                token = sample_next_token(logits, temperature)
+            else:  # sample_next_token's draw, without sorting the row for top-p (nucleus.py)
+                token = torch.tensor([draw_seeded(logits, temperature, top_k, top_p, generator)[0]])
             advance(constraints, token)
             token_id = int(token[0])
             yield token_id
