@@ -125,3 +125,14 @@ def draw_seeded(
     filtered logits, whose log-softmax is the row's `sampled_logprobs`."""
     x = filter_row(logits, temperature, top_k, top_p)
     return int(torch.multinomial(x.softmax(dim=-1), num_samples=1, generator=generator)[0, 0]), x
+
+
+def draw_inverse_cdf(weights: Float[Tensor, "n C"], u: Float[Tensor, " n"]) -> Int[Tensor, " n"]:
+    """Per row, the first column whose cumulative weight exceeds u times the row's total (float64);
+    a column of weight 0 is never chosen. With u ~ U[0, 1): a draw from the row's weights for one
+    uniform number, where torch.multinomial on the CPU draws an exponential per column (about 0.8 ms
+    for SmolLM2's 49,152 tokens)."""
+    cdf = weights.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None].to(cdf.device) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[:, 0]

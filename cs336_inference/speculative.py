@@ -35,7 +35,7 @@ from torch import Tensor
 
 from .kv_cache import KVCache, RingKVCache
 from .model import TransformerLM
-from .nucleus import filter_row
+from .nucleus import draw_inverse_cdf, draw_seeded, filter_row
 from .sampling import SamplingParams, as_prompt_list, filter_logits, sampling_params
 
 
@@ -316,7 +316,9 @@ class ModelDraft:
                 token = logits.argmax()[None]
             else:
                 p = sampling_probs(logits, params.temperature, params.top_k, params.top_p)
-                token = torch.multinomial(p[None], 1, generator=generator)[0]
+                # a draft token only has to come from p: one uniform number, not multinomial's V draws
+                u = torch.rand(1, dtype=torch.float64, generator=generator, device=p.device)
+                token = draw_inverse_cdf(p[None], u)
                 probs.append(p)
             tokens.append(token)
             if i + 1 < k:
@@ -370,7 +372,8 @@ class SpeculativeStats:
 
     k: int
     new_tokens: int = 0
-    target_passes: int = 0  # verify passes (the prompt's prefill is not counted: it emits no token)
+    target_passes: int = 0  # verify passes (not the prompt's prefill, which gives prefill_tokens)
+    prefill_tokens: int = 0  # new tokens the prompt's prefill gave (the first), before any round
     drafted: int = 0
     accepted: int = 0
     rejected: int = 0
@@ -404,7 +407,9 @@ class SpeculativeStats:
 
     @property
     def tokens_per_pass(self) -> float:
-        return self.new_tokens / self.target_passes if self.target_passes else float("nan")
+        """Tokens the rounds emitted per verify pass (the prefill's token is not a round's)."""
+        rounds = self.new_tokens - self.prefill_tokens
+        return rounds / self.target_passes if self.target_passes else float("nan")
 
     def as_dict(self) -> dict:
         d = {key: value for key, value in asdict(self).items() if key not in ("caches", "round_drafts")}
@@ -502,6 +507,14 @@ def round_generator(params: SamplingParams, device) -> torch.Generator | None:
     return torch.Generator(device=device).manual_seed(0 if params.seed is None else params.seed)
 
 
+def _first_token(logits: Float[Tensor, "1 V"], params: SamplingParams, generator) -> Int[Tensor, " 1"]:
+    """sample_next_token's token for the prefill's logits (top-p without sorting the row)."""
+    if params.temperature == 0.0:
+        return logits.argmax(dim=-1)
+    token, _ = draw_seeded(logits, params.temperature, params.top_k, params.top_p, generator)
+    return torch.tensor([token], device=logits.device)
+
+
 @torch.inference_mode()
 def _rounds(target, drafter, ids, k, params: SamplingParams, stats, steps) -> Iterator[int]:
     P, device = len(ids), ids.device
@@ -520,11 +533,17 @@ def _rounds(target, drafter, ids, k, params: SamplingParams, stats, steps) -> It
         if drafter.share_cache:
             drafter.attach(cache)
         stats.caches["draft"] = drafter.cache
-    if P > 1:
-        target(ids[None, :-1], cache=cache, last_only=True)  # prefill all but the newest token
+    # the prompt's prefill gives the first token, as generate's does: a first round would keep it
+    # waiting for k drafts and a verify pass
+    logits = target(ids[None], cache=cache, last_only=True)[0, -1:]
+    first = _first_token(logits, params, generator)
     context = torch.empty(capacity, dtype=torch.long, device=device)
     context[:P] = ids
-    n = P
+    context[P] = first
+    n = P + 1
+    stats.prefill_tokens = 1
+    if (yield from stats.emit(first, stops)):
+        return
     while n - P < max_new_tokens:
         k_round = min(k, max_new_tokens - (n - P) - 1)  # never draft past max_new_tokens
         drafts, p = context.new_empty(0), None

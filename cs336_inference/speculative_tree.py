@@ -35,8 +35,8 @@ from torch import Tensor
 from .attention import ForwardContext
 from .kv_cache import KVCache, StaticKVCache
 from .model import TransformerLM
-from .sampling import SamplingParams, sample_next_token, sampling_params
-from .speculative import SpeculativeStats, _check_args, round_generator, sampling_probs
+from .sampling import SamplingParams, sampling_params
+from .speculative import SpeculativeStats, _check_args, _first_token, round_generator, sampling_probs
 
 
 @dataclass
@@ -533,11 +533,12 @@ def _tree_rounds(target, draft, ids, params: SamplingParams, stats, steps) -> It
         draft.observe(h)
     else:
         logits = target(ids[None], cache=cache, last_only=True)[0]
-    first = sample_next_token(logits[-1:], params.temperature, params.top_k, params.top_p, generator)
+    first = _first_token(logits[-1:], params, generator)
     context = torch.empty(capacity, dtype=torch.long, device=device)
     context[:P] = ids
     context[P] = first
     n = P + 1
+    stats.prefill_tokens = 1
     if (yield from stats.emit(first, stops)):
         return
     if hasattr(draft, "catch_up"):  # a trained head reads the prompt now, not in the first round that drafts

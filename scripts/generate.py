@@ -366,6 +366,10 @@ def run(args: argparse.Namespace) -> int:
         from cs336_inference.fast.step.fixed import prepare_native
 
         prepare_native(model)
+        from cs336_inference.model import TransformerLM
+
+        if isinstance(draft, TransformerLM) and native_mode(draft) == "native":  # a draft model's too
+            prepare_native(draft)
     t_start = time.perf_counter()
     t_first = t_last = None
     path = describe_path(args, step_mode)

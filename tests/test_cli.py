@@ -194,7 +194,12 @@ def test_speculative_draft_gives_the_same_tokens_and_reports_alpha(tiny_checkpoi
     assert lookup["token_ids"] == out["token_ids"], "--draft-lookup: greedy output must equal plain greedy"
     s = spec["speculative"]
     assert s["draft"] == "ngram" and s["k"] == 3 and s["new_tokens"] == spec["generated_tokens"]
-    assert 0 <= s["alpha"] <= 1 and s["tokens_per_pass"] == s["new_tokens"] / s["target_passes"]
+    rounds = s["new_tokens"] - s["prefill_tokens"]  # the prompt's prefill gives the first token
+    assert (
+        0 <= s["alpha"] <= 1
+        and s["prefill_tokens"] == 1
+        and s["tokens_per_pass"] == rounds / s["target_passes"]
+    )
     assert model_draft.stdout.strip() == out["text"].strip()
     # the model drafting for itself accepts everything: 2 drafts + 1 bonus per pass
     assert "acceptance alpha 1.000" in model_draft.stderr and "tokens per target pass" in model_draft.stderr

@@ -4,8 +4,9 @@ For each workload (a list of prompts), draft and k, `speculative_benchmark` runs
 speculative decoding and plain `generate` on the same prompts in the same process and reports
 
     alpha            accepted / examined drafts, pooled over the workload's prompts
-    tokens/pass      new tokens / target passes, next to the formula (1 - a^(k+1)) / (1 - a), and
-                     the formula averaged over the rounds with each round's own number of drafts d
+    tokens/pass      new tokens of the rounds (not the prefill's first one) / target passes, next to
+                     the formula (1 - a^(k+1)) / (1 - a), and the formula averaged over the rounds
+                     with each round's own number of drafts d
                      in place of k ("drafted": prompt lookup drafts fewer than k tokens, or none)
     verify cost      time of a (k+1)-token target forward with the cache / a 1-token step (timed
                      side by side); for a tree draft, its rounds' mean tree pass / the decode step of
@@ -261,7 +262,7 @@ def speculative_benchmark(
         for dname, draft in drafts.items():
             tree = isinstance(draft, TreeDraft)
             for k in ks if not tree or draft.per_k else ks[:1]:
-                new = passes = accepted = rejected = drafted = 0
+                new = passes = accepted = rejected = drafted = first = 0
                 spec_times, row_base_times, identical, round_drafts = [], [], True, []
                 draft_s = verify_s = 0.0
                 forwards = 0  # a model draft's forwards (with lookup, only its rounds without a copy run it)
@@ -294,6 +295,7 @@ def speculative_benchmark(
                         verify_s += stats.verify_seconds
                         identical &= torch.equal(out, ref)
                         new += stats.new_tokens
+                        first += stats.prefill_tokens  # the prompt's prefill gave them, not a round
                         passes += stats.target_passes
                         accepted += stats.accepted
                         rejected += stats.rejected
@@ -303,7 +305,7 @@ def speculative_benchmark(
                     spec_times.append(statistics.median(specs))
                 spec_s = sum(spec_times)
                 alpha = accepted / (accepted + rejected) if accepted + rejected else float("nan")
-                tpp = new / passes
+                tpp = (new - first) / passes
                 if tree:  # measured per round (drafting, all levels; the tree pass) over the decode step
                     # of this row's own target-only runs, timed beside it
                     step_s = (sum(row_base_times) - prefill_s) / max(1, n_base - len(prompts))

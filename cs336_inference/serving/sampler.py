@@ -32,16 +32,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from cs336_inference.nucleus import nucleus_mask, nucleus_slice
-
-
-def _draw(weights: Float[Tensor, "n C"], u: Float[Tensor, " n"]) -> Int[Tensor, " n"]:
-    """Per row, the first column whose cumulative weight exceeds u times the row's total (float64);
-    a column of weight 0 is never chosen."""
-    cdf = weights.double().cumsum(dim=-1)
-    total = cdf[:, -1:]
-    target = torch.minimum(u[:, None].to(cdf.device) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True)[:, 0]
+from cs336_inference.nucleus import draw_inverse_cdf, nucleus_mask, nucleus_slice
 
 
 def sample_rows(
@@ -78,12 +69,12 @@ def sample_rows(
         p = torch.tensor([ps[b] for b in nucleus], dtype=torch.float32, device=x.device)
         vals, ids, r, inside = nucleus_slice(probs[rows], p)
         kept = vals.masked_fill(torch.arange(vals.shape[-1], device=x.device)[None, :] >= r[:, None], 0.0)
-        pick = _draw(kept[inside], u[rows[inside]])
+        pick = draw_inverse_cdf(kept[inside], u[rows[inside]])
         tokens[rows[inside]] = ids[inside].gather(-1, pick[:, None])[:, 0]
         whole[rows[inside]] = False
         wide = rows[~inside]  # nuclei wider than the slice: masked over the whole row
         if len(wide):
             probs[wide] = probs[wide].masked_fill(nucleus_mask(probs[wide], p[~inside]), 0.0)
     if whole.any():
-        tokens[whole] = _draw(probs[whole], u[whole])
+        tokens[whole] = draw_inverse_cdf(probs[whole], u[whole])
     return tokens
