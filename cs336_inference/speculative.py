@@ -12,7 +12,8 @@ cache holding every token of the context except the newest one:
                stops; if all k are accepted it emits a bonus token from q_{k+1}
     roll back  the target's cache forgets the rejected positions (`KVCache.truncate`)
 
-Each round emits between 1 and k + 1 tokens for one target pass, and every emitted token is an exact
+The prompt's prefill gives the first token, as in plain decoding; the rounds follow it. Each round
+emits between 1 and k + 1 tokens for one target pass, and every emitted token is an exact
 sample of the target's distribution (the residual is exactly the probability mass the accept step
 under-covers). Temperature, top-k and top-p are applied to both p and q, so the output follows the
 target's *sampling* distribution; at temperature 0 both are one-hot at the argmax, so a draft token is
