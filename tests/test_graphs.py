@@ -808,3 +808,27 @@ def test_step_stream_samples_what_generate_samples_without_sorting_rows(slice_si
         expected = generate(model, prompt, 20, stop_token_ids=[], **settings)
         assert sorts or "top_p" not in settings, "generate should sort its rows (else this checks nothing)"
         assert got == expected.tolist(), f"{settings}: step_stream drew {got}, generate {expected.tolist()}"
+
+
+def test_prepare_native_leaves_nothing_for_the_first_prefill_to_pack(monkeypatch):
+    """generate.py calls prepare_native before its clock starts: the weights' panels, the output
+    matrix's included, are made there, and the first prefill and decode step pack none."""
+    from cs336_inference.fast.cpu import build, ops
+    from cs336_inference.fast.step.fixed import native_prefill, prepare_native, step_stream
+
+    if build.library() is None:
+        pytest.skip("the C kernels are not built here (CS336_KERNELS=0 or no compiler)")
+    model = tiny("gqa")
+    packed = []
+    real = ops.pack_panels
+    monkeypatch.setattr(ops, "pack_panels", lambda w: packed.append(tuple(w.shape)) or real(w))
+    prepare_native(model)
+    assert packed, "prepare_native packed no panels (else this checks nothing)"
+    packed.clear()
+    prompt = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(5))
+    native_prefill(model, model.new_cache(1, 16), prompt[None])
+    assert (
+        list(step_stream(model, prompt, 3, "native", stop_token_ids=[]))
+        == generate(model, prompt, 3, stop_token_ids=[]).tolist()
+    )
+    assert not packed, f"panels packed after prepare_native: {packed}"

@@ -370,8 +370,11 @@ class FixedSteps:
 
 def prepare_native(model) -> None:
     """Make now what `model`'s native steps make on first use (the fp32 weights' panels, a second copy
-    of them: native.py), so that the first prefill does not pay for it."""
-    StaticDecodeStep(model, model.new_cache(1, 1), 1, native=True).native._layers()
+    of them: native.py), the output matrix's included, so that the first prefill does not pay for it."""
+    step = StaticDecodeStep(model, model.new_cache(1, 1), 1, native=True)
+    step.native._layers()
+    if step.output.layer is None and step.output.panels:
+        ops.panels(step.output.weight)
 
 
 def prefill(model, cache: KVCache, ids: Int[Tensor, "1 P"], mode: str | None) -> Float[Tensor, "1 V"]:
