@@ -1,8 +1,9 @@
 """The top-p nucleus of a row without sorting the whole row: the same bits as sampling.top_p_filter.
 
 top_p_filter (the lecture's rule) sorts the whole row to find the nucleus: the smallest set of most
-likely tokens whose mass reaches p. For SmolLM2's 49,152 tokens that sort takes about 3 ms a row on a
-2-core CPU, a third of a decode step, while a nucleus rarely holds more than a few hundred tokens. Here
+likely tokens whose mass reaches p. For SmolLM2's 49,152 tokens that sort takes about 3 ms a row
+(AMD EPYC Zen 5, 2 threads, 2026-11-27), a third of a decode step, while a nucleus rarely holds more
+than a few hundred tokens. Here
 the nucleus is looked for among the row's NUCLEUS_SLICE most likely tokens (one topk), and only a row
 whose nucleus is wider than that sorts more: its NUCLEUS_WIDE largest values (a partition first), or
 else all of them. The sums are top_p_filter's (the same float32 cumulative sums over the same values
