@@ -121,8 +121,8 @@ def test_package_has_no_import_cycle():
 
 # The teaching core: what a student reads and the handout grades. It must not reach (even lazily,
 # even through another module) the staff fast path, serving, the benchmarks or parallel code.
-CORE = ("config", "layers", "attention", "kv_cache", "model", "sampling", "speculative", "quantization",
-        "accounting", "pruning", "distill")  # fmt: skip
+CORE = ("config", "layers", "attention", "kv_cache", "model", "sampling", "nucleus", "speculative",
+        "quantization", "accounting", "pruning", "distill")  # fmt: skip
 ABOVE_CORE = ("fast", "serving", "bench", "parallel")
 
 
