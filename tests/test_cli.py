@@ -182,16 +182,21 @@ def test_speculative_draft_gives_the_same_tokens_and_reports_alpha(tiny_checkpoi
     plain = run_cli(*args, "--json", prompt)
     ngram = run_cli(*args, "--json", "--draft", "ngram", "--speculate-k", "3", prompt)
     model_draft = run_cli(*args, "--draft", str(tiny_checkpoint), "--speculate-k", "2", prompt)  # text mode
-    shared = run_cli(*args, "--json", "--draft", "int8", "--draft-shares-cache", "--speculate-k", "2", prompt)
-    lookup = run_cli(*args, "--json", "--draft", "int8", "--draft-shares-cache", "--draft-lookup", prompt)
-    for r in (plain, ngram, model_draft, shared, lookup):
+    own = ["--no-draft-shares-cache", "--no-draft-lookup"]
+    shared = run_cli(*args, "--json", "--draft", "int8", "--no-draft-lookup", "--speculate-k", "2", prompt)
+    lookup = run_cli(*args, "--json", "--draft", "int8", prompt)  # the defaults: shared cache, lookup, k 6
+    alone = run_cli(*args, "--json", "--draft", "int8", *own, prompt)  # a cache of its own, no lookup
+    for r in (plain, ngram, model_draft, shared, lookup, alone):
         assert r.returncode == 0, r.stderr
     out, spec = json.loads(plain.stdout), json.loads(ngram.stdout)
     assert spec["token_ids"] == out["token_ids"], "greedy speculative output must equal plain greedy"
-    shared = json.loads(shared.stdout)  # the model's int8 weights drafting on its own cache
-    assert shared["token_ids"] == out["token_ids"] and shared["speculative"]["draft"] == "int8"
-    lookup = json.loads(lookup.stdout)  # the same, copying from the prompt where lookup matches
-    assert lookup["token_ids"] == out["token_ids"], "--draft-lookup: greedy output must equal plain greedy"
+    for run, expected in ((shared, (True, False, 2)), (lookup, (True, True, 6)), (alone, (False, False, 6))):
+        r = json.loads(run.stdout)  # the model's int8 weights drafting (on the model's own cache)
+        got = r["speculative"]["shares_cache"], r["speculative"]["lookup"], r["speculative"]["k"]
+        assert got == expected, f"--draft int8: shares cache, lookup, k = {got}, expected {expected}"
+        assert r["token_ids"] == out["token_ids"] and r["speculative"]["draft"] == "int8", (
+            f"--draft int8 {expected}: greedy output must equal plain greedy"
+        )
     s = spec["speculative"]
     assert s["draft"] == "ngram" and s["k"] == 3 and s["new_tokens"] == spec["generated_tokens"]
     rounds = s["new_tokens"] - s["prefill_tokens"]  # the prompt's prefill gives the first token
