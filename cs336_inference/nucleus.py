@@ -3,17 +3,17 @@
 top_p_filter (the lecture's rule) sorts the whole row to find the nucleus: the smallest set of most
 likely tokens whose mass reaches p. For SmolLM2's 49,152 tokens that sort takes about 3 ms a row
 (AMD EPYC Zen 5, 2 threads, 2026-11-27), a third of a decode step, while a nucleus rarely holds more
-than a few hundred tokens. Here
-the nucleus is looked for among the row's NUCLEUS_SLICE most likely tokens (one topk), and only a row
-whose nucleus is wider than that sorts more: its NUCLEUS_WIDE largest values (a partition first), or
-else all of them. The sums are top_p_filter's (the same float32 cumulative sums over the same values
+than a few hundred tokens. Here the nucleus is looked for among the row's NUCLEUS_SLICE most likely
+tokens (one topk), and only a row whose nucleus is wider than that sorts more: its NUCLEUS_WIDE
+largest values (a partition first), or else all of them. The sums are top_p_filter's (the same float32 cumulative sums over the same values
 in the same order), so the kept tokens, and the logits, are the same bits; where tokens tie across the
 edge of the nucleus, which of them top_p_filter keeps follows its sort, and `filter_row` hands that row
 to filter_logits itself.
 
-Used where sampled decoding meets the sort once per token: the fast decode path (fast/step/fixed.py,
-`draw_seeded`: the token sample_next_token draws, the generator left in the same state), speculative
-sampling's distributions (speculative.sampling_probs) and the serving engine (serving/sampler.py).
+Used where sampled decoding meets the sort once per token: the fast decode path and the prompt's
+first token in speculative decoding (`sample_row`, `draw_seeded`: the token sample_next_token draws,
+the generator left in the same state), speculative sampling's distributions
+(speculative.sampling_probs) and the serving engine (serving/sampler.py).
 """
 
 from __future__ import annotations
@@ -128,11 +128,26 @@ def draw_seeded(
     return int(torch.multinomial(x.softmax(dim=-1), num_samples=1, generator=generator)[0, 0]), x
 
 
+def sample_row(
+    logits: Float[Tensor, "1 V"],
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+) -> Int[Tensor, " 1"]:
+    """sampling.sample_next_token for one row, greedy or sampled: the same token (and generator state),
+    without sorting the row for top-p."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    token, _ = draw_seeded(logits, temperature, top_k, top_p, generator)
+    return torch.tensor([token], device=logits.device)
+
+
 def draw_inverse_cdf(weights: Float[Tensor, "n C"], u: Float[Tensor, " n"]) -> Int[Tensor, " n"]:
     """Per row, the first column whose cumulative weight exceeds u times the row's total (float64);
     a column of weight 0 is never chosen. With u ~ U[0, 1): a draw from the row's weights for one
     uniform number, where torch.multinomial on the CPU draws an exponential per column (about 0.8 ms
-    for SmolLM2's 49,152 tokens)."""
+    for SmolLM2's 49,152 tokens; AMD EPYC Zen 5, 2 threads, 2026-11-27)."""
     cdf = weights.double().cumsum(dim=-1)
     total = cdf[:, -1:]
     target = torch.minimum(u[:, None].to(cdf.device) * total, torch.nextafter(total, torch.zeros_like(total)))

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .kv_cache import KVCache, RingKVCache
 from .model import TransformerLM
-from .nucleus import draw_inverse_cdf, draw_seeded, filter_row
+from .nucleus import draw_inverse_cdf, filter_row, sample_row
 from .sampling import SamplingParams, as_prompt_list, filter_logits, sampling_params
 
 
@@ -508,14 +508,6 @@ def round_generator(params: SamplingParams, device) -> torch.Generator | None:
     return torch.Generator(device=device).manual_seed(0 if params.seed is None else params.seed)
 
 
-def _first_token(logits: Float[Tensor, "1 V"], params: SamplingParams, generator) -> Int[Tensor, " 1"]:
-    """sample_next_token's token for the prefill's logits (top-p without sorting the row)."""
-    if params.temperature == 0.0:
-        return logits.argmax(dim=-1)
-    token, _ = draw_seeded(logits, params.temperature, params.top_k, params.top_p, generator)
-    return torch.tensor([token], device=logits.device)
-
-
 @torch.inference_mode()
 def _rounds(target, drafter, ids, k, params: SamplingParams, stats, steps) -> Iterator[int]:
     P, device = len(ids), ids.device
@@ -537,7 +529,7 @@ def _rounds(target, drafter, ids, k, params: SamplingParams, stats, steps) -> It
     # the prompt's prefill gives the first token, as generate's does: a first round would keep it
     # waiting for k drafts and a verify pass
     logits = target(ids[None], cache=cache, last_only=True)[0, -1:]
-    first = _first_token(logits, params, generator)
+    first = sample_row(logits, params.temperature, params.top_k, params.top_p, generator)
     context = torch.empty(capacity, dtype=torch.long, device=device)
     context[:P] = ids
     context[P] = first

@@ -35,8 +35,9 @@ from torch import Tensor
 from .attention import ForwardContext
 from .kv_cache import KVCache, StaticKVCache
 from .model import TransformerLM
+from .nucleus import sample_row
 from .sampling import SamplingParams, sampling_params
-from .speculative import SpeculativeStats, _check_args, _first_token, round_generator, sampling_probs
+from .speculative import SpeculativeStats, _check_args, round_generator, sampling_probs
 
 
 @dataclass
@@ -533,7 +534,7 @@ def _tree_rounds(target, draft, ids, params: SamplingParams, stats, steps) -> It
         draft.observe(h)
     else:
         logits = target(ids[None], cache=cache, last_only=True)[0]
-    first = _first_token(logits[-1:], params, generator)
+    first = sample_row(logits[-1:], params.temperature, params.top_k, params.top_p, generator)
     context = torch.empty(capacity, dtype=torch.long, device=device)
     context[:P] = ids
     context[P] = first

@@ -47,13 +47,12 @@ from cs336_inference.fast.cpu import build, ops
 from cs336_inference.fast.step.fuse import fuse_siblings
 from cs336_inference.fast.step.native import PHASES, NativeLayers, OutputHead, tree_bits
 from cs336_inference.kv_cache import KVCache, StaticKVCache
-from cs336_inference.nucleus import draw_seeded
+from cs336_inference.nucleus import sample_row
 from cs336_inference.sampling import (
     SamplingParams,
     advance,
     constrain,
     prepare_prompts,
-    sample_next_token,
     sampling_params,
 )
 
@@ -459,10 +458,7 @@ def step_stream(
         for n in range(max_new_tokens):
             constraints = None if constraint is None else [constraint]
             constrain(logits, constraints)
-            if temperature == 0.0:
-                token = sample_next_token(logits, temperature)
-            else:  # sample_next_token's draw, without sorting the row for top-p (nucleus.py)
-                token = torch.tensor([draw_seeded(logits, temperature, top_k, top_p, generator)[0]])
+            token = sample_row(logits, temperature, top_k, top_p, generator)  # no sort for top-p
             advance(constraints, token)
             token_id = int(token[0])
             yield token_id
