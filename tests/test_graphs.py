@@ -832,3 +832,53 @@ def test_prepare_native_leaves_nothing_for_the_first_prefill_to_pack(monkeypatch
         == generate(model, prompt, 3, stop_token_ids=[]).tolist()
     )
     assert not packed, f"panels packed after prepare_native: {packed}"
+
+
+def _sampling_and_self_draft_on(device: str, mode: str) -> None:
+    """The fast paths' sampling and generate.py --draft int8's speculation, on `device`:
+    step_stream's sort-free nucleus draws generate's tokens for a seed; the model's int8 copy, drafting
+    on the target's cache with prompt lookup first, gives greedy generate's tokens, and sampled with a
+    seed the tokens of the same speculation with eager steps."""
+    from cs336_inference.fast.step.fixed import step_stream
+    from cs336_inference.quantization import quantize_model
+    from cs336_inference.speculative import ModelDraft, speculative_generate
+
+    target = tiny("gqa").to(device)
+    draft = quantize_model(target, "int8", quantize_head=True)
+    motif = torch.randint(0, 64, (6,), generator=torch.Generator().manual_seed(7))
+    prompt = torch.cat([torch.randint(0, 64, (5,), generator=torch.Generator().manual_seed(5)), motif, motif])
+    prompt = prompt.to(device)
+    for settings in (
+        dict(temperature=1.0, top_p=0.9, seed=1),
+        dict(temperature=0.7, top_k=10, top_p=0.95, seed=2),
+    ):
+        got = list(step_stream(target, prompt, 20, mode, stop_token_ids=[], **settings))
+        expected = generate(target, prompt, 20, stop_token_ids=[], **settings)
+        assert got == expected.tolist(), f"{device} {mode} {settings}: step_stream {got}, generate {expected}"
+    expected = generate(target, prompt, 24, stop_token_ids=[])
+    got, stats = speculative_generate(
+        target, ModelDraft(draft, FixedSteps(mode), share_cache=True, lookup=True), prompt, 24, k=4,
+        stop_token_ids=[], return_stats=True, steps=FixedSteps(mode),
+    )  # fmt: skip
+    assert got.tolist() == expected.tolist(), f"{device} {mode}: greedy speculation with the int8 self-draft"
+    assert stats.caches["draft"] is stats.caches["target"] and stats.accepted > 0
+    settings = dict(k=4, temperature=1.0, top_p=0.9, seed=7, stop_token_ids=[])
+    eager = speculative_generate(
+        target, ModelDraft(draft, share_cache=True, lookup=True), prompt, 30, **settings
+    )
+    fixed = speculative_generate(
+        target, ModelDraft(draft, FixedSteps(mode), share_cache=True, lookup=True), prompt, 30,
+        steps=FixedSteps(mode), **settings,
+    )  # fmt: skip
+    assert fixed.tolist() == eager.tolist(), f"{device} {mode}: sampled speculation, fixed vs eager steps"
+
+
+def test_sampling_and_the_int8_self_draft_in_fixed_steps_on_the_cpu():
+    _sampling_and_self_draft_on("cpu", "eager")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_sampling_and_the_int8_self_draft_on_cuda(mode):
+    """The same on a GPU: fixed-shape steps run eagerly, or recorded as CUDA graphs."""
+    _sampling_and_self_draft_on("cuda", mode)
