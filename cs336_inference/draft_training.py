@@ -1,15 +1,16 @@
 """Training a draft head (draft_head.py) on the target's own outputs, on a CPU.
 
-Three stages, each resumable, driven by scripts/train_draft.py:
+Three stages, driven by scripts/train_draft.py; what is on disk is kept, so a stopped run resumes:
 
 1. Data. Prompts are cut from the evaluation text (CPython's pydoc_data.topics; every tenth topic
    is held out): explain, summarize or rewrite a paragraph, comment or change a piece of its code;
    and general requests about everyday topics (GENERAL_TOPICS, every tenth held out), so that the
    head drafts chat too. The target answers them itself (greedy, the serving engine), so the head
    learns what the target says, not what a corpus says (self-distillation, as Medusa-2 and EAGLE do).
-2. Features. One teacher-forced target pass over each sequence gives, per position j, the feature
-   h_j (the final norm's output) and the target's argmax y_j; they are written to disk in chunks
-   (safetensors, h in float16), once.
+2. Features, taken while the target answers: the engine keeps, per position j, the feature h_j (the
+   final norm's output) of every token it feeds, and greedy decoding makes each answer token the
+   target's argmax y_j at the position before it. They are written to disk in chunks (safetensors,
+   h in float16), so no second pass over the sequences is needed.
 3. Training. The head sees (x_j, h_{j-1}) and is trained to give g_j close to h_j (smooth L1) and to
    put the target's argmax y_j first (cross-entropy over the head's vocabulary). A second, unrolled
    pass feeds the head its own g_{j-1} in place of h_{j-1}, as drafting does from the second draft
@@ -395,82 +396,67 @@ def draft_prompts(texts: list[str], seed: int = 0, tasks: int = 1) -> list[str]:
     return first + extra
 
 
-def answer_prompts(
+def chat_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Each prompt as a user turn of the tokenizer's chat template, its generation prompt included."""
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]),
+                             add_special_tokens=False) for p in prompts]  # fmt: skip
+
+
+@torch.inference_mode()
+def answer_with_features(
     target: TransformerLM,
-    tokenizer,
-    prompts: list[str],
+    prompts: list[list[int]],
     max_new_tokens: int,
     batch: int = 16,
     log: Log = print,
-) -> list[list[int]]:
-    """[chat-formatted prompt + the target's greedy answer] token ids, per prompt (the serving engine,
-    `batch` requests at a time, on whatever path the target has installed)."""
+) -> dict[str, Tensor]:
+    """The target's greedy answers to the prompts (token ids) and its features over prompt + answer,
+    in one pass: the serving engine answers `batch` prompts at a time on whatever path the target has
+    installed, keeping the final norm's output of every row it computes (LLMEngine(keep_hidden=True)).
+
+    Returns a chunk as `load_features` joins them: tokens [N] int32, feats [N, D] float16, labels [N]
+    int32 (the next token, -1 after a sequence's last: at an answer position the target's greedy
+    choice, which is what the token loss counts), starts [M + 1] int64 (sequence boundaries). A
+    sequence's last token is never fed back, so its feature is zero; no loss reads it."""
     from .sampling import SamplingParams
     from .serving import LLMEngine
 
-    ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]),
-                            add_special_tokens=False) for p in prompts]  # fmt: skip
     engine = LLMEngine(
-        target, num_blocks=batch * 48, block_size=16, max_batch_tokens=32, max_batch_seqs=batch
-    )
+        target, num_blocks=batch * 48, block_size=16, max_batch_tokens=32, max_batch_seqs=batch,
+        keep_hidden=True,
+    )  # fmt: skip
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    out: list[list[int]] = []
+    tokens, feats, labels, starts = [], [], [], [0]
     began = time.perf_counter()
-    log(f"  {len(ids)} prompts to answer")
-    for start in range(0, len(ids), 8 * batch):  # the engine keeps `batch` running; a log line per group
-        group = ids[start : start + 8 * batch]
-        answers = engine.generate(group, params)
-        out += [list(p) + list(a) for p, a in zip(group, answers, strict=True)]
-        done = sum(len(s) for s in out)
-        log(f"  answered {len(out)}/{len(ids)} prompts ({done} tokens, {time.perf_counter() - began:.0f} s)")
-    return out
-
-
-# ------------------------------------------------------------------ 2. features, on disk
-@torch.inference_mode()
-def write_features(
-    target: TransformerLM, sequences: list[list[int]], folder: str | Path, chunk_tokens: int = 32768,
-    log: Log = print,
-) -> list[Path]:  # fmt: skip
-    """Teacher-forced features of every sequence, in chunks folder/features-<hash>.safetensors:
-    tokens [N] int32, feats [N, D] float16, labels [N] int32 (the target's argmax at each position),
-    starts [M + 1] int64 (sequence boundaries). A chunk of the same sequences already there is kept
-    (resumable). Returns the chunks' paths in order."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    chunks, group, size = [], [], 0
-    for seq in sequences:
-        group.append(seq)
-        size += len(seq)
-        if size >= chunk_tokens:
-            chunks.append(group)
-            group, size = [], 0
-    if group:
-        chunks.append(group)
-    paths = []
-    began = time.perf_counter()
-    for c, group in enumerate(chunks):
-        key = hashlib.sha1(json.dumps(group).encode()).hexdigest()[:12]  # same sequences, same file
-        path = folder / f"features-{key}.safetensors"
-        paths.append(path)
-        if path.exists():
-            continue
-        tokens, feats, labels, starts = [], [], [], [0]
-        for seq in group:
-            x = torch.tensor(seq, device=target.embed.weight.device)[None]
-            logits, h = target(x, return_hidden=True)
-            tokens.append(x[0].int().cpu())
-            feats.append(h[0].half().cpu())
-            labels.append(logits[0].argmax(-1).int().cpu())
+    for start in range(0, len(prompts), 8 * batch):  # the engine keeps `batch` running; a log line per group
+        group = prompts[start : start + 8 * batch]
+        for prompt, (out,) in zip(group, engine.run(group, params), strict=True):
+            seq = torch.tensor(list(prompt) + out.new_token_ids, dtype=torch.int32)
+            tokens.append(seq)
+            feats.append(torch.cat([out.hidden, out.hidden.new_zeros(1, out.hidden.shape[1])]).half())
+            labels.append(torch.cat([seq[1:], torch.tensor([-1], dtype=torch.int32)]))
             starts.append(starts[-1] + len(seq))
-        tmp = path.with_suffix(".tmp")
-        save_file({"tokens": torch.cat(tokens), "feats": torch.cat(feats), "labels": torch.cat(labels),
-                   "starts": torch.tensor(starts)}, str(tmp))  # fmt: skip
-        tmp.rename(path)
-        log(
-            f"  features: chunk {c + 1}/{len(chunks)} ({starts[-1]} tokens, {time.perf_counter() - began:.0f} s)"
-        )
-    return paths
+        log(f"  answered {len(tokens)}/{len(prompts)} prompts ({starts[-1]} tokens, "
+            f"{time.perf_counter() - began:.0f} s)")  # fmt: skip
+    return {"tokens": torch.cat(tokens), "feats": torch.cat(feats), "labels": torch.cat(labels),
+            "starts": torch.tensor(starts)}  # fmt: skip
+
+
+def save_chunk(chunk: dict[str, Tensor], path: str | Path) -> Path:
+    """Write a chunk (answer_with_features) as safetensors, whole or not at all (a temporary file
+    renamed), so that an interrupted run never leaves half a chunk to resume from."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file(chunk, str(tmp))
+    tmp.rename(path)
+    return path
+
+
+def chunk_path(folder: str | Path, prompts: list[str], max_new_tokens: int, model: str) -> Path:
+    """Where the chunk of these prompts' answers goes: named by what it depends on (resumable)."""
+    key = hashlib.sha1(json.dumps([model, max_new_tokens, prompts]).encode()).hexdigest()[:12]
+    return Path(folder) / f"answers-{key}.safetensors"
 
 
 def answer_starts(sequences: list[list[int]], header: list[int]) -> list[int]:

@@ -141,14 +141,17 @@ class TransformerLM(nn.Module):
         # END SOLUTION
         return (logits, h) if return_hidden else logits
 
-    def forward_paged(self, input_ids: Int[Tensor, " T"], batch) -> Float[Tensor, "n V"]:
+    def forward_paged(
+        self, input_ids: Int[Tensor, " T"], batch, return_hidden: bool = False
+    ) -> Float[Tensor, "n V"] | tuple[Float[Tensor, "n V"], Float[Tensor, "T D"]]:
         """Selective batching for the serving engine: the new tokens of n sequences in one row.
 
         `batch` (a serving.paged_attention.PagedBatch) gives each token's position (for RoPE) and its slot in
         the paged KV cache; embedding, projections and MLP run once over all T tokens ([1, T, D]),
         attention runs per sequence over that sequence's blocks. Returns the logits of the rows
         batch.logit_rows, [n, V]: each sequence's last token (and every token of a sequence whose
-        prompt log-probabilities the engine wants).
+        prompt log-probabilities the engine wants). return_hidden=True returns (logits, h) with h the
+        final norm's output at every one of the T rows (the features a draft head reads).
         """
         positions = batch.positions
         if batch.max_position >= self.config.max_seq_len:
@@ -158,6 +161,9 @@ class TransformerLM(nn.Module):
         x = self.embed(input_ids[None])
         for block in self.layers:
             x = block(x, ctx)
+        if return_hidden:
+            h = self.norm(x[0])
+            return F.linear(h[batch.logit_rows], self.vocab_weight), h
         return F.linear(self.norm(x[0, batch.logit_rows]), self.vocab_weight)
 
     def new_cache(

@@ -5,8 +5,9 @@
 
 1. chat prompts cut from CPython's pydoc topics (every 10th topic held out; --tasks tasks for each
    paragraph or code example) and general requests about everyday topics (--general), answered by
-   the target itself, greedy, on the serving engine (work/answers-N.json, N the answer length cap);
-2. the target's features and argmax over prompts and answers, in chunks (work/features/);
+   the target itself, greedy, on the serving engine;
+2. with the answers, the features the engine computed on the way (the final norm's output at every
+   position of prompt and answer), in chunks of 256 prompts (work/features/answers-*.safetensors);
 3. the head trained on the answers (checkpoints in work/checkpoint/, resumed if there); the held-out
    acceptance on the held-out topics' answers is printed at every evaluation.
 Every stage keeps what is already on disk, so an interrupted command goes on where it stopped. The head
@@ -17,7 +18,6 @@ and `benchmark.py speculative --drafts head` look for it.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,10 +26,12 @@ import torch
 
 from cs336_inference import draft_training as dt
 from cs336_inference.draft_head import DraftHead, save_draft_head
+from cs336_inference.fast import install, uninstall
 from cs336_inference.io.checkpoint import CheckpointError, default_model_path, load_pretrained
 from cs336_inference.io.tokenizer import load_tokenizer
 
 DEFAULT_OUT = Path("runs/draft-head")
+ANSWER_GROUP = 256  # prompts per chunk on disk: what an interrupted run loses at most
 
 
 def parse_args(argv):
@@ -96,30 +98,24 @@ def main(argv=None) -> int:
     general, held_general = dt.general_prompts(args.seed)
     train_prompts += general[: args.general]
     held_prompts += held_general[: args.held_general]
-    log(f"1. answers: {len(train_prompts)} training and {len(held_prompts)} held-out prompts, "
-        f"up to {args.max_new_tokens} tokens each")  # fmt: skip
-    cache_file = work / f"answers-{args.max_new_tokens}.json"  # prompt -> prompt + answer ids
-    answered = json.loads(cache_file.read_text()) if cache_file.exists() else {}
-    todo = [p for p in dict.fromkeys(train_prompts + held_prompts) if p not in answered]
-    if todo:
-        from cs336_inference.fast import install, uninstall
-
-        install(target)  # the engine on the fast path; the features below come from the readable forward
-        for start in range(0, len(todo), 256):  # saved as it goes
-            group = todo[start : start + 256]
-            answered |= dict(
-                zip(group, dt.answer_prompts(target, tok, group, args.max_new_tokens, log=log), strict=True)
-            )
-            cache_file.write_text(json.dumps(answered))
-        uninstall(target)
-    chats = {"train": [answered[p] for p in train_prompts], "held": [answered[p] for p in held_prompts]}
-    log("2. features (of the answers and the prompts before them; the losses count the answers)")
+    log(f"1-2. answers and their features: {len(train_prompts)} training and {len(held_prompts)} held-out "
+        f"prompts, up to {args.max_new_tokens} tokens each")  # fmt: skip
     header = dt.generation_header(tok)
-    data = {}
-    for name in ("train", "held"):
-        paths = dt.write_features(target, chats[name], work / "features", log=log)
+    data, counts = {}, {}
+    for name, prompts in (("train", train_prompts), ("held", held_prompts)):
+        groups = [prompts[i : i + ANSWER_GROUP] for i in range(0, len(prompts), ANSWER_GROUP)]
+        paths = [dt.chunk_path(work / "features", g, args.max_new_tokens, str(source)) for g in groups]
+        for c, (group, path) in enumerate(zip(groups, paths, strict=True)):
+            if path.exists():
+                continue
+            install(target)  # the engine on the fast path
+            log(f"  {name} chunk {c + 1}/{len(groups)}: {len(group)} prompts")
+            dt.save_chunk(dt.answer_with_features(target, dt.chat_ids(tok, group), args.max_new_tokens, log=log),
+                          path)  # fmt: skip
         data[name] = dt.mark_answers(dt.load_features(paths), header)
-        log(f"  {name}: {int(data[name]['answer'].sum())} answer tokens in {len(chats[name])} sequences")
+        counts[name] = len(prompts)
+        log(f"  {name}: {int(data[name]['answer'].sum())} answer tokens in {counts[name]} sequences")
+    uninstall(target)  # the head reads the readable target's embedding and output matrix
 
     always = list(dict.fromkeys([*tok.eos_token_ids, *target.config.eos_token_ids]))
     labels = {name: d["labels"][torch.roll(d["answer"], -1)] for name, d in data.items()}  # answers' argmax
@@ -128,8 +124,8 @@ def main(argv=None) -> int:
         covered = torch.isin(labels["held"], vocab).float().mean()
         log(f"  draft vocabulary: {len(vocab)} tokens cover {covered:.1%} of the held-out argmax tokens")
     summary = [
-        f"data: {int(data['train']['answer'].sum())} answer tokens of {len(chats['train'])} training prompts, "
-        f"{int(data['held']['answer'].sum())} of {len(chats['held'])} held-out prompts (other topics)"
+        f"data: {int(data['train']['answer'].sum())} answer tokens of {counts['train']} training prompts, "
+        f"{int(data['held']['answer'].sum())} of {counts['held']} held-out prompts (other topics)"
     ]
     if vocab is not None:
         summary.append(

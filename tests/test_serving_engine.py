@@ -590,6 +590,52 @@ def test_engine_under_pressure_every_request_completes_as_alone():
     assert_same_as_alone(model, prompts, params, outs)
 
 
+@pytest.mark.parametrize("path", ["readable", "fast", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_keep_hidden_gives_each_sample_the_features_of_its_whole_sequence(path):
+    """LLMEngine(keep_hidden=True), what a draft head's training data is taken from: each finished
+    sample carries the final norm's output at every position of prompt + output but the last, as the
+    model's own forward over that sequence gives it (return_hidden), through prompt chunks, preemption
+    (a sequence recomputed from its first token), a prompt prefix shared with others (the prefix cache
+    is off: a block taken from it would never be computed) and n = 2 samples forked from one prompt."""
+    model = tiny_model("gqa", torch.float32)
+    if path == "fast":
+        from cs336_inference.fast import install
+        from cs336_inference.fast.cpu import build
+
+        if build.library() is None:
+            pytest.skip("the C kernels are not built here (CS336_KERNELS=0 or no compiler)")
+        install(model)
+    if path == "cuda":
+        model = model.to("cuda")
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 61, (9,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 61, (n,), generator=g).tolist() for n in (1, 14, 30, 6, 22)]
+    params = [SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=[])] * 4
+    params.append(SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, n=2, stop_token_ids=[]))
+    for blocks in (16, 64):  # preempting (the forked sample among others), and not
+        engine = LLMEngine(
+            model, blocks, block_size=4, max_batch_tokens=8, max_batch_seqs=4, keep_hidden=True
+        )
+        outs = engine.run(prompts, params)
+        preempted = engine.stats()["preemptions"]
+        assert (preempted > 0) == (blocks == 16), f"{blocks} blocks: {preempted} preemptions"
+        for i, (prompt, samples) in enumerate(zip(prompts, outs, strict=True)):
+            for out in samples:
+                case = f"{path}, {blocks} blocks, request {i} sample {out.index}"
+                seq = prompt + out.new_token_ids
+                with torch.inference_mode():
+                    _, h = model(
+                        torch.tensor(seq, device=model.embed.weight.device)[None], return_hidden=True
+                    )
+                got = None if out.hidden is None else tuple(out.hidden.shape)
+                assert got == (len(seq) - 1, 32), f"{case}: features {got}, expected {(len(seq) - 1, 32)}"
+                torch.testing.assert_close(
+                    out.hidden, h[0, :-1].cpu(), atol=1e-4, rtol=1e-4, msg=lambda m, case=case: f"{case}: {m}"
+                )
+    plain = LLMEngine(model, num_blocks=16, block_size=4, max_batch_tokens=8, max_batch_seqs=4)
+    assert all(o.hidden is None for samples in plain.run(prompts[:2], params[:2]) for o in samples)
+
+
 def test_static_batching_admits_a_batch_only_when_the_last_has_finished():
     """static_batching=True: requests arriving while a batch runs wait for all of it to finish; every
     request still decodes as generate alone."""

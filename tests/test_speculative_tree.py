@@ -522,18 +522,25 @@ def test_tree_needs_static_caches():
 
 
 def test_draft_training_learns_on_a_tiny_target(tmp_path):
-    """160 steps on a tiny target's own greedy continuations (1,400 positions) lift the head's held-out
-    agreement with the target's argmax from chance (1/64) to several times that, and a run stopped
-    and resumed from its checkpoint ends with the same head as an uninterrupted one."""
+    """160 steps on a tiny target's own greedy continuations (1,400 positions), answered on the serving
+    engine with their features (answer_with_features, saved and loaded as train_draft.py does), lift
+    the head's held-out agreement with the target's next token from chance (1/64) to several times
+    that, and a run stopped and resumed from its checkpoint ends with the same head as an
+    uninterrupted one."""
     from cs336_inference import draft_training as dt
 
     target = tiny_model("gqa")
     for p in target.parameters():
         p.requires_grad_(False)
-    seqs = [torch.cat([prompt(4, s), generate(target, prompt(4, s), 40, stop_token_ids=[])]).tolist()
-            for s in range(40)]  # fmt: skip
-    train = dt.load_features(dt.write_features(target, seqs[:32], tmp_path / "train", log=lambda m: None))
-    held = dt.load_features(dt.write_features(target, seqs[32:], tmp_path / "held", log=lambda m: None))
+    prompts = [prompt(4, s).tolist() for s in range(40)]
+    chunks = [dt.save_chunk(dt.answer_with_features(target, ps, 40, log=lambda m: None), tmp_path / f"{n}.st")
+              for n, ps in (("train", prompts[:32]), ("held", prompts[32:]))]  # fmt: skip
+    train, held = dt.load_features(chunks[:1]), dt.load_features(chunks[1:])
+    starts = train["starts"].tolist()
+    for i in range(3):  # greedy answers, each label the token after it (-1 after the last)
+        seq = train["tokens"][starts[i] : starts[i + 1]]
+        assert seq[4:].tolist() == generate(target, prompts[i], 40, stop_token_ids=[]).tolist(), i
+        assert train["labels"][starts[i] : starts[i + 1]].tolist() == [*seq[1:].tolist(), -1], i
     settings = dict(steps=160, batch_size=8, T=32, lr=3e-3, warmup=10, eval_every=80, unroll=2)
     torch.manual_seed(0)
     head = DraftHead(target.config).attach(target)

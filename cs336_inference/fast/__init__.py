@@ -51,11 +51,11 @@ class FastTransformerLM(TransformerLM):
     """A TransformerLM whose serving-engine steps (`forward_paged`) run every decoder layer in one C
     call over the paged K/V where they can (step/paged.py); the readable forward otherwise."""
 
-    def forward_paged(self, input_ids: Tensor, batch) -> Tensor:
+    def forward_paged(self, input_ids: Tensor, batch, return_hidden: bool = False):
         from cs336_inference.fast.step.paged import forward_paged
 
-        logits = forward_paged(self, input_ids, batch)
-        return super().forward_paged(input_ids, batch) if logits is None else logits
+        out = forward_paged(self, input_ids, batch, return_hidden)
+        return super().forward_paged(input_ids, batch, return_hidden) if out is None else out
 
 
 FAST = {**FAST_LAYERS, TransformerLM: FastTransformerLM}

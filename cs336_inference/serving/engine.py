@@ -33,6 +33,10 @@ block_size blocks; a hybrid keeps all its blocks, since its global layers read t
 local/global, MLA (the latent cache is paged the same way), CLA (borrowing layers read their
 owner's blocks, so the paged cache shrinks by kv_share like the contiguous one).
 
+keep_hidden=True: each sample's final output also carries its features, the final norm's output at
+every position it computed (prompt and output), which is what a draft head is trained on
+(draft_training.answer_with_features). The prefix cache is off then: its blocks are not computed.
+
 static_batching=True turns the engine into the baseline it replaces, for benchmarks: waiting
 requests are admitted only when no sequence is running, so a batch runs until its longest request ends.
 
@@ -100,6 +104,7 @@ class LLMEngine:
         static_batching: bool = False,
         grammar=None,
         release_window_blocks: bool = True,
+        keep_hidden: bool = False,
     ):
         for name, value in [("max_batch_tokens", max_batch_tokens), ("max_batch_seqs", max_batch_seqs)]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -107,7 +112,11 @@ class LLMEngine:
         self.model = model
         self.config = model.config
         self.device = model.embed.weight.device
-        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+        # keep_hidden: each finished output carries its sequence's features (the final norm's output at
+        # every position but the last, RequestOutput.hidden), what a draft head is trained on. A prompt
+        # block taken from the prefix cache would never be computed, so the prefix cache is off then.
+        self.keep_hidden = keep_hidden
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching and not keep_hidden)
         # a tensor-parallel shard caches only its own K/V heads (parallel/: model.cache_config)
         cache_config = getattr(model, "cache_config", self.config)
         self.cache = PagedKVCache(cache_config, num_blocks, block_size, model.norm.weight.dtype, self.device)
@@ -242,7 +251,12 @@ class LLMEngine:
         ]
         batch = PagedBatch(self.cache, spans, self.device, every)
         ids = [t for seq, n in scheduled for t in seq.token_ids[seq.num_computed : seq.num_computed + n]]
-        logits = self.model.forward_paged(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
+        ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if self.keep_hidden:
+            logits, hidden = self.model.forward_paged(ids, batch, return_hidden=True)
+            self._keep_hidden(scheduled, hidden)
+        else:
+            logits = self.model.forward_paged(ids, batch)
         self.computed_tokens += len(ids)
         picks: list[tuple[Request, int]] = []  # (sequence to sample, its row of logits)
         row = 0
@@ -274,15 +288,29 @@ class LLMEngine:
             prompt_lps = None
             if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
                 prompt_lps, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
+            hidden = None
             if reason is not None:
                 self._finish(seq, reason)
+                if self.keep_hidden:  # handed over, not kept among the finished requests
+                    hidden, seq.hidden = torch.cat(seq.hidden), []
             outputs.append(
                 RequestOutput(
                     seq.request_id, [token], reason is not None, reason, seq.index,
-                    None if lp is None else [lp], prompt_lps,
+                    None if lp is None else [lp], prompt_lps, hidden,
                 )
             )  # fmt: skip
         return outputs
+
+    @staticmethod
+    def _keep_hidden(scheduled: list[tuple[Request, int]], hidden: Tensor) -> None:
+        """Append each scheduled sequence's rows of this step's features (a preempted sequence,
+        recomputed from its first token, starts over)."""
+        at = 0
+        for seq, n in scheduled:
+            if seq.num_computed == 0:
+                seq.hidden = []
+            seq.hidden.append(hidden[at : at + n].cpu())
+            at += n
 
     def _prompt_logprobs(self, seq: Request, logits: Tensor, start: int) -> None:
         """Row r of a prefill chunk starting at step `start` predicts prompt token start + r + 1: its
@@ -307,6 +335,7 @@ class LLMEngine:
                 seq.request_id, list(seq.token_ids), seq.num_prompt, seq.params, seq.arrival, seq.order,
                 self._generator(seq.params, i), self.blocks.fork(seq.table), seq.num_computed,
                 index=i, group=seq.group, constraint=None if seq.constraint is None else seq.constraint.copy(),
+                hidden=list(seq.hidden),
             )  # fmt: skip
             seq.group.append(child)
             self.scheduler.running.append(child)
@@ -404,6 +433,8 @@ class LLMEngine:
                     r.logprobs = (r.logprobs or []) + o.logprobs
                 if o.prompt_logprobs is not None:
                     r.prompt_logprobs = o.prompt_logprobs
+                if o.hidden is not None:
+                    r.hidden = o.hidden
                 if o.finished:
                     r.finished, r.finish_reason = True, o.finish_reason
                     left.discard((o.request_id, o.index))

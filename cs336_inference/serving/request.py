@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..sampling import SamplingParams, TokenLogprobs
 from .block_manager import BlockTable
@@ -23,6 +24,9 @@ class RequestOutput:
     # with the first token of sample 0, if params.prompt_logprobs is set: one per prompt token,
     # None for the first (nothing predicts it)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # when the sample finishes, on an engine with keep_hidden: the final norm's output at each of its
+    # positions but the last (prompt and output; the last token is never fed back), [P + n - 1, D]
+    hidden: Tensor | None = None
 
 
 @dataclass(eq=False)  # identity: two requests are never "equal"
@@ -56,6 +60,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # filled while prefilling, if asked for
     prompt_logprobs_sent: bool = False
     constraint: Any = None  # structured.JsonMatcher when params.json_schema is set
+    hidden: list[Tensor] = field(default_factory=list)  # features so far, by step (engine keep_hidden)
 
     @property
     def num_output(self) -> int:

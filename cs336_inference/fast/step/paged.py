@@ -74,7 +74,7 @@ class PagedStep:
         self.model, self.layers = model, PagedLayers(model, cache)
         self.output = OutputHead(model, ours_first=True)  # each row's logits independent of the others
 
-    def __call__(self, input_ids: Int[Tensor, " M"], batch) -> Float[Tensor, "n V"]:
+    def __call__(self, input_ids: Int[Tensor, " M"], batch, return_hidden: bool = False):
         model = self.model
         spans = batch.spans
         seq = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor([s.n for s in spans]))
@@ -83,6 +83,9 @@ class PagedStep:
         x = model.embed(input_ids)
         positions = batch.positions
         x = self.layers(x, model.rope_cos[positions], model.rope_sin[positions], rows, tables)
+        if return_hidden:  # every row's features too, as the readable forward_paged gives them
+            h = model.norm(x)
+            return self.output(h[batch.logit_rows]), h
         return self.output(model.norm(x[batch.logit_rows]))
 
 
@@ -97,11 +100,12 @@ def paged_step(model, cache) -> PagedStep | None:
     return step if step is not None and step.model is model else None
 
 
-def forward_paged(model, input_ids: Int[Tensor, " M"], batch) -> Float[Tensor, "n V"] | None:
-    """The engine step on the native path, or None (the caller runs the readable forward)."""
+def forward_paged(model, input_ids: Int[Tensor, " M"], batch, return_hidden: bool = False):
+    """The engine step on the native path (logits [n, V], or (logits, h [M, D]) with return_hidden, as
+    TransformerLM.forward_paged), or None (the caller runs the readable forward)."""
     if not 1 <= input_ids.shape[0] <= MAX_ROWS or torch.is_grad_enabled():
         return None
     if batch.max_position >= model.config.max_seq_len:
         return None  # the readable forward raises the error
     step = paged_step(model, batch.cache)
-    return None if step is None else step(input_ids, batch)
+    return None if step is None else step(input_ids, batch, return_hidden)
