@@ -67,9 +67,9 @@ def native_calls(monkeypatch) -> list[int]:
     calls: list[int] = []
     run = paged.PagedStep.__call__
 
-    def counted(self, input_ids, batch):
+    def counted(self, input_ids, batch, *rest):
         calls.append(int(input_ids.shape[0]))
-        return run(self, input_ids, batch)
+        return run(self, input_ids, batch, *rest)
 
     monkeypatch.setattr(paged.PagedStep, "__call__", counted)
     return calls
