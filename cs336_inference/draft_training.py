@@ -43,7 +43,7 @@ from .model import TransformerLM
 Log = Callable[[str], None]
 
 
-# ------------------------------------------------------------------ 1. prompts and the target's answers
+# ------------------------------------------------------------------ 1-2. prompts, the target's answers and its features
 def topic_split(held_out_every: int = 10) -> tuple[list[str], list[str]]:
     """The pydoc topics' texts, split by topic: (training topics, held-out topics)."""
     from pydoc_data.topics import topics

@@ -634,6 +634,8 @@ def test_keep_hidden_gives_each_sample_the_features_of_its_whole_sequence(path):
                 )
     plain = LLMEngine(model, num_blocks=16, block_size=4, max_batch_tokens=8, max_batch_seqs=4)
     assert all(o.hidden is None for samples in plain.run(prompts[:2], params[:2]) for o in samples)
+    with pytest.raises(ValueError, match="keep_hidden needs a TransformerLM"):
+        LLMEngine(torch.nn.Linear(2, 2), keep_hidden=True)  # e.g. a tensor-parallel shard's wrapper
 
 
 def test_static_batching_admits_a_batch_only_when_the_last_has_finished():

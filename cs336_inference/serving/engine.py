@@ -55,6 +55,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..model import TransformerLM
 from ..nucleus import draw_seeded, filter_row
 from ..sampling import (
     SamplingParams,
@@ -109,6 +110,10 @@ class LLMEngine:
         for name, value in [("max_batch_tokens", max_batch_tokens), ("max_batch_seqs", max_batch_seqs)]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if keep_hidden and not isinstance(model, TransformerLM):
+            raise ValueError(
+                f"keep_hidden needs a TransformerLM, whose steps can return features, not a {type(model).__name__}"
+            )
         self.model = model
         self.config = model.config
         self.device = model.embed.weight.device
