@@ -117,10 +117,7 @@ class LLMEngine:
         self.model = model
         self.config = model.config
         self.device = model.embed.weight.device
-        # keep_hidden: each finished output carries its sequence's features (the final norm's output at
-        # every position but the last, RequestOutput.hidden), what a draft head is trained on. A prompt
-        # block taken from the prefix cache would never be computed, so the prefix cache is off then.
-        self.keep_hidden = keep_hidden
+        self.keep_hidden = keep_hidden  # module docstring; no prefix cache then
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching and not keep_hidden)
         # a tensor-parallel shard caches only its own K/V heads (parallel/: model.cache_config)
         cache_config = getattr(model, "cache_config", self.config)
@@ -310,11 +307,11 @@ class LLMEngine:
     def _keep_hidden(scheduled: list[tuple[Request, int]], hidden: Tensor) -> None:
         """Append each scheduled sequence's rows of this step's features (a preempted sequence,
         recomputed from its first token, starts over)."""
-        at = 0
+        hidden, at = hidden.cpu(), 0  # one copy (on a GPU, one sync) per step
         for seq, n in scheduled:
             if seq.num_computed == 0:
                 seq.hidden = []
-            seq.hidden.append(hidden[at : at + n].cpu())
+            seq.hidden.append(hidden[at : at + n])
             at += n
 
     def _prompt_logprobs(self, seq: Request, logits: Tensor, start: int) -> None:
