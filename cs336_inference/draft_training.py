@@ -15,7 +15,9 @@ Three stages, driven by scripts/train_draft.py; what is on disk is kept, so a st
    put the target's argmax y_j first (cross-entropy over the head's vocabulary). A second, unrolled
    pass feeds the head its own g_{j-1} in place of h_{j-1}, as drafting does from the second draft
    on. Held-out acceptance: how often the head's first (and, unrolled, second) draft equals the
-   target's argmax on the held-out topics.
+   target's argmax on the held-out topics. With bf16=True the training passes run under bfloat16
+   autocast (the weights, the optimizer and the held-out passes stay float32): on a CPU with bf16
+   products (AVX512-BF16, AMX) a step takes well under half the time.
 """
 
 from __future__ import annotations
@@ -552,6 +554,7 @@ class DraftSettings:
     noise: float = 0.02
     eval_every: int = 200
     seed: int = 0
+    bf16: bool = False  # training passes under bfloat16 autocast (weights and optimizer in float32)
 
 
 def _batch(data, wins: Tensor, rows: list[int], T: int, device) -> tuple[Tensor, ...]:
@@ -578,6 +581,9 @@ def _batch(data, wins: Tensor, rows: list[int], T: int, device) -> tuple[Tensor,
     return x.to(device), prev.to(device), want.to(device), y.to(device)
 
 
+READOUT_ROWS = 128
+
+
 def draft_losses(
     head: DraftHead, x, prev, want, y, unroll: int, noise: float = 0.0, generator=None
 ) -> tuple[Tensor, Tensor, list[Float[Tensor, "M Vd"]]]:
@@ -592,6 +598,12 @@ def draft_losses(
     valid = y >= 0
     at = valid.nonzero(as_tuple=True)
     counted = mapped[at]
+    # the readout's rows padded to a multiple of READOUT_ROWS (padding counts in no loss): under bf16
+    # autocast on a CPU, oneDNN keeps a packed copy of the weight for each shape it has multiplied, and
+    # a count of rows that differs every batch filled the memory within a thousand steps
+    M, pad = len(counted), -len(counted) % READOUT_ROWS
+    at = tuple(torch.cat([i, i.new_zeros(pad)]) for i in at)
+    counted = torch.cat([counted, counted.new_full((pad,), -1)])
     feats = (
         prev if noise == 0 else prev + noise * torch.randn(prev.shape, generator=generator).to(prev.device)
     )
@@ -600,7 +612,7 @@ def draft_losses(
     for _ in range(unroll):
         g = head(x, feats)
         logits = head.logits(g[at])
-        all_logits.append(logits)
+        all_logits.append(logits[:M])
         diff = F.smooth_l1_loss(g, want, reduction="none") * valid[..., None]
         f_loss = f_loss + diff.sum() / (valid.sum() * g.shape[-1]).clamp(min=1)
         t_loss = t_loss + F.cross_entropy(logits.float(), counted, ignore_index=-1)
@@ -675,7 +687,8 @@ def train_draft_head(
         order = torch.randperm(len(wins), generator=torch.Generator().manual_seed(s.seed + epoch))
         rows = order[at * s.batch_size : (at + 1) * s.batch_size].tolist()
         x, prev, want, y = _batch(train, wins, rows, s.T, device)
-        f_loss, t_loss, _ = draft_losses(head, x, prev, want, y, s.unroll, s.noise, generator)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.bf16):
+            f_loss, t_loss, _ = draft_losses(head, x, prev, want, y, s.unroll, s.noise, generator)
         loss = s.w_feature * f_loss + s.w_token * t_loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -697,6 +710,20 @@ def train_draft_head(
             save_checkpoint(folder, head, optimizer, generator, s, done, history)
     head.eval()
     return history
+
+
+def native_bf16(device: torch.device | str = "cpu") -> bool:
+    """Whether this device multiplies bfloat16 in hardware: a CUDA GPU that supports it, or an x86 CPU
+    with AVX512-BF16 or AMX (on this project's 2-core EPYC, bf16 products run several times faster
+    than float32; a CPU without them would emulate bf16, slower than float32)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return re.search(r"\b(avx512_bf16|amx_bf16)\b", flags) is not None
 
 
 def _line(row: dict) -> str:

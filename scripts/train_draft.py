@@ -1,6 +1,6 @@
 """Train an EAGLE-style draft head for SmolLM2-135M-Instruct (or --model) on its own answers.
 
-    python scripts/train_draft.py                       # about an hour on 2 cores, into runs/draft-head
+    python scripts/train_draft.py                       # under an hour on 2 cores, into runs/draft-head
     python scripts/train_draft.py --prompts 64 --steps 50 --out /tmp/head   # a quick trial
 
 1. chat prompts cut from CPython's pydoc topics (every 10th topic held out; --tasks tasks for each
@@ -40,9 +40,9 @@ def parse_args(argv):
     p.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help=f"where the head goes (default {DEFAULT_OUT})"
     )
-    p.add_argument("--prompts", type=int, default=1800, help="training prompts to answer (0: all)")
+    p.add_argument("--prompts", type=int, default=3600, help="training prompts to answer (0: all)")
     p.add_argument(
-        "--tasks", type=int, default=2, help="tasks per paragraph or code example (prompts: 902 each)"
+        "--tasks", type=int, default=4, help="tasks per paragraph or code example (prompts: 902 each)"
     )
     p.add_argument("--held-prompts", type=int, default=96, help="held-out prompts to answer")
     p.add_argument(
@@ -55,7 +55,7 @@ def parse_args(argv):
     p.add_argument(
         "--vocab", type=int, default=8192, help="draft vocabulary: the most frequent tokens (0: all)"
     )
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument(
         "--window", type=int, default=256, help="positions per training window (a sequence's last)"
@@ -64,6 +64,12 @@ def parse_args(argv):
     p.add_argument("--unroll", type=int, default=2, help="training passes (2: also from its own features)")
     p.add_argument(
         "--w-token", type=float, default=0.5, help="weight of the cross-entropy (the feature loss: 1)"
+    )
+    p.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="training passes under bfloat16 autocast, or float32 (auto: bf16 where the hardware has it)",
     )
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--threads", type=int)
@@ -132,11 +138,15 @@ def main(argv=None) -> int:
             f"draft vocabulary: the {len(vocab)} most frequent argmax tokens ({covered:.1%} of the held-out ones)"
         )
     head = DraftHead(target.config, vocab).attach(target)
-    log(f"3. training the head ({sum(p.numel() for p in head.parameters()):,} parameters)")
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and dt.native_bf16())
+    summary.append(f"training passes in {'bfloat16 autocast' if bf16 else 'float32'}, {args.steps} steps of "
+                   f"{args.batch_size} windows")  # fmt: skip
+    log(f"3. training the head ({sum(p.numel() for p in head.parameters()):,} parameters, "
+        f"{'bfloat16 autocast' if bf16 else 'float32'})")  # fmt: skip
     history = dt.train_draft_head(
         head, data["train"], data["held"], work / "checkpoint", log=log, steps=args.steps,
         batch_size=args.batch_size, T=args.window, lr=args.lr, unroll=args.unroll,
-        eval_every=args.eval_every, seed=args.seed, w_token=args.w_token,
+        eval_every=args.eval_every, seed=args.seed, w_token=args.w_token, bf16=bf16,
     )  # fmt: skip
     save_draft_head(head, args.out, {"history": history, "model": str(source)})
     if args.markdown:

@@ -521,12 +521,14 @@ def test_tree_needs_static_caches():
         tree_generate(target, ModelTreeDraft(target, 2), prompt(20, 1), 8)
 
 
-def test_draft_training_learns_on_a_tiny_target(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_draft_training_learns_on_a_tiny_target(tmp_path, precision):
     """160 steps on a tiny target's own greedy continuations (1,400 positions), answered on the serving
     engine with their features (answer_with_features, saved and loaded as train_draft.py does), lift
     the head's held-out agreement with the target's next token from chance (1/64) to several times
     that, and a run stopped and resumed from its checkpoint ends with the same head as an
-    uninterrupted one."""
+    uninterrupted one; in float32 and with the training passes under bfloat16 autocast (bf16=True,
+    what train_draft.py uses where the CPU multiplies bf16), whose weights stay float32."""
     from cs336_inference import draft_training as dt
 
     target = tiny_model("gqa")
@@ -541,7 +543,8 @@ def test_draft_training_learns_on_a_tiny_target(tmp_path):
         seq = train["tokens"][starts[i] : starts[i + 1]]
         assert seq[4:].tolist() == generate(target, prompts[i], 40, stop_token_ids=[]).tolist(), i
         assert train["labels"][starts[i] : starts[i + 1]].tolist() == [*seq[1:].tolist(), -1], i
-    settings = dict(steps=160, batch_size=8, T=32, lr=3e-3, warmup=10, eval_every=80, unroll=2)
+    settings = dict(steps=160, batch_size=8, T=32, lr=3e-3, warmup=10, eval_every=80, unroll=2,
+                    bf16=precision == "bf16")  # fmt: skip
     torch.manual_seed(0)
     head = DraftHead(target.config).attach(target)
     history = dt.train_draft_head(
@@ -559,6 +562,15 @@ def test_draft_training_learns_on_a_tiny_target(tmp_path):
             f"a run stopped at step 80 and resumed differs in {name} from an uninterrupted one"
         )
     assert math.isfinite(last["feature_loss"])
+    assert all(p.dtype == torch.float32 for p in head.parameters()), f"{precision}: weights left float32"
+    if precision == "bf16":  # the passes did run in bf16: 20 steps from the same start differ from float32's
+        heads = []
+        for bf16 in (True, False):
+            torch.manual_seed(0)
+            heads.append(DraftHead(target.config).attach(target))
+            dt.train_draft_head(heads[-1], train, held, tmp_path / f"short-{bf16}", progress=False,
+                                log=lambda m: None, stop_at=20, **{**settings, "bf16": bf16})  # fmt: skip
+        assert not torch.equal(heads[0].fc.weight, heads[1].fc.weight), "bf16=True trained as float32 does"
 
 
 # ------------------------------------------------------------------ the fast path's tree pass
@@ -804,6 +816,32 @@ def test_answer_masks_count_only_answer_predictions():
     # window (2, 5): inputs are positions 3..6; label y_j counts when x_{j+1} is an answer token
     assert x[0].tolist() == [8, 3, 4, 5] and y[0].tolist() == [103, 104, 105, -1]
     assert x[1].tolist() == [7, 8, 6, 0] and y[1].tolist() == [-1, 112, -1, -1]
+
+
+def test_draft_losses_do_not_depend_on_the_readout_padding(monkeypatch):
+    """draft_losses pads the readout's rows to a multiple of READOUT_ROWS (a few fixed shapes, so that
+    oneDNN's per-shape weight copies under bf16 autocast stay few): the padding counts in no loss and
+    the logits it returns are those of the M labelled positions, equal to an unpadded readout's."""
+    from cs336_inference import draft_training as dt
+
+    target = tiny_model("gqa")
+    torch.manual_seed(0)
+    head = DraftHead(target.config, torch.arange(0, 64, 2)).attach(target)
+    B, T, D = 3, 10, target.config.d_model
+    x = torch.randint(0, 64, (B, T))
+    prev, want = torch.randn(B, T, D), torch.randn(B, T, D)
+    y = torch.randint(-1, 64, (B, T))  # -1 and odd ids (outside the head's vocabulary) count in no CE
+    M = int((y >= 0).sum())
+    results = {}
+    for rows in (1, 16, 128):
+        monkeypatch.setattr(dt, "READOUT_ROWS", rows)
+        f_loss, t_loss, logits = dt.draft_losses(head, x, prev, want, y, unroll=2)
+        assert [lg.shape[0] for lg in logits] == [M, M], f"READOUT_ROWS={rows}: logits of {M} positions"
+        results[rows] = (f_loss, t_loss, logits)
+    for rows in (16, 128):
+        for what, a, b in zip(["feature loss", "token loss", "logits", "logits"], [*results[1][:2], *results[1][2]],
+                              [*results[rows][:2], *results[rows][2]], strict=True):  # fmt: skip
+            assert torch.allclose(a, b, atol=1e-6), f"READOUT_ROWS={rows} changed the {what}"
 
 
 def test_benchmark_rows_of_tree_drafts():
