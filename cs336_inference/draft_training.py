@@ -16,8 +16,8 @@ Three stages, driven by scripts/train_draft.py; what is on disk is kept, so a st
    pass feeds the head its own g_{j-1} in place of h_{j-1}, as drafting does from the second draft
    on. Held-out acceptance: how often the head's first (and, unrolled, second) draft equals the
    target's argmax on the held-out topics. With bf16=True the training passes run under bfloat16
-   autocast (the weights, the optimizer and the held-out passes stay float32): on a CPU with bf16
-   products (AVX512-BF16, AMX) a step takes well under half the time.
+   autocast (the weights, the optimizer and the held-out passes stay float32), for a CPU with bf16
+   products (AVX512-BF16, AMX: cpu_has_bf16).
 """
 
 from __future__ import annotations
@@ -599,8 +599,8 @@ def draft_losses(
     at = valid.nonzero(as_tuple=True)
     counted = mapped[at]
     # the readout's rows padded to a multiple of READOUT_ROWS (padding counts in no loss): under bf16
-    # autocast on a CPU, oneDNN keeps a packed copy of the weight for each shape it has multiplied, and
-    # a count of rows that differs every batch filled the memory within a thousand steps
+    # autocast on a CPU, oneDNN keeps a packed copy of the weight for each shape it multiplies, so a
+    # count of rows that differs every batch would grow the memory without bound
     M, pad = len(counted), -len(counted) % READOUT_ROWS
     at = tuple(torch.cat([i, i.new_zeros(pad)]) for i in at)
     counted = torch.cat([counted, counted.new_full((pad,), -1)])
@@ -712,13 +712,9 @@ def train_draft_head(
     return history
 
 
-def native_bf16(device: torch.device | str = "cpu") -> bool:
-    """Whether this device multiplies bfloat16 in hardware: a CUDA GPU that supports it, or an x86 CPU
-    with AVX512-BF16 or AMX (on this project's 2-core EPYC, bf16 products run several times faster
-    than float32; a CPU without them would emulate bf16, slower than float32)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+def cpu_has_bf16() -> bool:
+    """Whether this x86 CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX), where training under
+    bf16 autocast pays; a CPU without them emulates bf16, slower than float32."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

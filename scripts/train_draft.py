@@ -138,11 +138,10 @@ def main(argv=None) -> int:
             f"draft vocabulary: the {len(vocab)} most frequent argmax tokens ({covered:.1%} of the held-out ones)"
         )
     head = DraftHead(target.config, vocab).attach(target)
-    bf16 = args.precision == "bf16" or (args.precision == "auto" and dt.native_bf16())
-    summary.append(f"training passes in {'bfloat16 autocast' if bf16 else 'float32'}, {args.steps} steps of "
-                   f"{args.batch_size} windows")  # fmt: skip
-    log(f"3. training the head ({sum(p.numel() for p in head.parameters()):,} parameters, "
-        f"{'bfloat16 autocast' if bf16 else 'float32'})")  # fmt: skip
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and dt.cpu_has_bf16())
+    precision = "bfloat16 autocast" if bf16 else "float32"
+    summary.append(f"training passes in {precision}, {args.steps} steps of {args.batch_size} windows")
+    log(f"3. training the head ({sum(p.numel() for p in head.parameters()):,} parameters, {precision})")
     history = dt.train_draft_head(
         head, data["train"], data["held"], work / "checkpoint", log=log, steps=args.steps,
         batch_size=args.batch_size, T=args.window, lr=args.lr, unroll=args.unroll,
