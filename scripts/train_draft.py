@@ -4,8 +4,9 @@
     python scripts/train_draft.py --prompts 64 --steps 50 --out /tmp/head   # a quick trial
 
 1. chat prompts cut from CPython's pydoc topics (every 10th topic held out; --tasks tasks for each
-   paragraph or code example) and general requests about everyday topics (--general), answered by
-   the target itself, greedy, on the serving engine;
+   paragraph or code example) and general chat requests (--general: everyday topics, programming
+   questions, short messages, why-questions), answered by the target itself, greedy, on the serving
+   engine;
 2. with the answers, the features the engine computed on the way (the final norm's output at every
    position of prompt and answer), in chunks of 256 prompts (work/features/answers-*.safetensors);
 3. the head trained on the answers (checkpoints in work/checkpoint/, resumed if there); the held-out
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from cs336_inference import draft_prompts as dp
 from cs336_inference import draft_training as dt
 from cs336_inference.draft_head import DraftHead, save_draft_head
 from cs336_inference.fast import install, uninstall
@@ -48,14 +50,14 @@ def parse_args(argv):
     p.add_argument(
         "--general",
         type=int,
-        help="general requests about everyday topics to add to the training prompts (default: all; 0: none)",
+        help="general chat requests to add to the training prompts (default: all; 0: none)",
     )
     p.add_argument("--held-general", type=int, default=24, help="held-out general requests to add")
     p.add_argument("--max-new-tokens", type=int, default=128, help="answer length cap")
     p.add_argument(
         "--vocab", type=int, default=8192, help="draft vocabulary: the most frequent tokens (0: all)"
     )
-    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--steps", type=int, default=5000)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument(
         "--window", type=int, default=256, help="positions per training window (a sequence's last)"
@@ -96,12 +98,12 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
 
-    train_texts, held_texts = dt.topic_split()
-    train_prompts = dt.draft_prompts(train_texts, args.seed, tasks=args.tasks)
-    held_prompts = dt.draft_prompts(held_texts, args.seed)[: args.held_prompts]
+    train_texts, held_texts = dp.topic_split()
+    train_prompts = dp.draft_prompts(train_texts, args.seed, tasks=args.tasks)
+    held_prompts = dp.draft_prompts(held_texts, args.seed)[: args.held_prompts]
     if args.prompts:
         train_prompts = train_prompts[: args.prompts]
-    general, held_general = dt.general_prompts(args.seed)
+    general, held_general = dp.general_prompts(args.seed)
     train_prompts += general[: args.general]
     held_prompts += held_general[: args.held_general]
     log(f"1-2. answers and their features: {len(train_prompts)} training and {len(held_prompts)} held-out "
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
                 continue
             install(target)  # the engine on the fast path
             log(f"  {name} chunk {c + 1}/{len(groups)}: {len(group)} prompts")
-            dt.save_chunk(dt.answer_with_features(target, dt.chat_ids(tok, group), args.max_new_tokens, log=log),
+            dt.save_chunk(dt.answer_with_features(target, dp.chat_ids(tok, group), args.max_new_tokens, log=log),
                           path)  # fmt: skip
         data[name] = dt.mark_answers(dt.load_features(paths), header)
         counts[name] = len(prompts)

@@ -774,18 +774,25 @@ def test_head_auto_copies_by_match_length():
 
 
 def test_general_prompts_split_by_topic():
-    from cs336_inference import draft_training as dt
+    from cs336_inference import draft_prompts as dp
     from cs336_inference.bench.speculative import CHAT_PROMPTS
 
-    train, held = dt.general_prompts()
-    assert (train, held) == dt.general_prompts(), "the prompts should not depend on anything but the seed"
-    n = len(dt.GENERAL_TASKS)
-    assert len(held) == n * (len(dt.GENERAL_TOPICS) // 10) and len(train) + len(held) == n * len(
-        dt.GENERAL_TOPICS
-    )
-    for i, topic in enumerate(dt.GENERAL_TOPICS):
-        side = held if i % 10 == 9 else train
-        assert all(t.format(topic) in side for t in dt.GENERAL_TASKS), f"topic {topic!r} split across sides"
+    train, held = dp.general_prompts()
+    assert (train, held) == dp.general_prompts(), "the prompts should not depend on anything but the seed"
+    sizes = [(len(subjects), len(tasks)) for subjects, tasks in dp.GENERAL_FAMILIES]
+    assert len(held) == sum(n // 10 * k for n, k in sizes), "every tenth subject of a family is held out"
+    assert len(train) + len(held) == sum(n * k for n, k in sizes)
+    assert len(set(train + held)) == len(train + held), "a prompt appears twice"
+    for subjects, tasks in dp.GENERAL_FAMILIES:
+        for i, subject in enumerate(subjects):
+            side = held if i % 10 == 9 else train
+            assert all(t.format(subject) in side for t in tasks), f"subject {subject!r} split across sides"
+    # the first family's prompts lead the list, so a family added after it leaves the chunks of their
+    # answers on disk valid
+    first = len(dp.GENERAL_TOPICS) - len(dp.GENERAL_TOPICS) // 10
+    assert set(train[: first * len(dp.GENERAL_TASKS)]) == {
+        t.format(topic) for i, topic in enumerate(dp.GENERAL_TOPICS) if i % 10 != 9 for t in dp.GENERAL_TASKS
+    }
     words = {w.strip(".,?").lower() for p in CHAT_PROMPTS for w in p.split()}
     for distinctive in ("sky", "lunch", "tuple", "healthy"):
         assert distinctive in words  # the benchmark's chat prompts stay unseen in training
