@@ -10,12 +10,14 @@ Three stages, driven by scripts/train_draft.py; what is on disk is kept, so a st
    target's argmax y_j at the position before it. They are written to disk in chunks (safetensors,
    h in float16), so no second pass over the sequences is needed.
 3. Training. The head sees (x_j, h_{j-1}) and is trained to give g_j close to h_j (smooth L1) and to
-   put the target's argmax y_j first (cross-entropy over the head's vocabulary). A second, unrolled
-   pass feeds the head its own g_{j-1} in place of h_{j-1}, as drafting does from the second draft
-   on. Held-out acceptance: how often the head's first (and, unrolled, second) draft equals the
-   target's argmax on the held-out topics. With bf16=True the training passes run under bfloat16
-   autocast (the weights, the optimizer and the held-out passes stay float32), for a CPU with bf16
-   products (AVX512-BF16, AMX: cpu_has_bf16).
+   put the target's argmax y_j first (cross-entropy over the head's vocabulary) at the answers'
+   tokens, or (every_position, train_draft.py's default) to match the target's distribution
+   softmax(h_j W^T) at every position, the prompt's too: the features say what the target predicts
+   there, whoever wrote the next token. A second, unrolled pass feeds the head its own g_{j-1} in
+   place of h_{j-1}, as drafting does from the second draft on. Held-out acceptance: how often the
+   head's first (and, unrolled, second) draft equals the target's argmax on the held-out topics.
+   With bf16=True the training passes run under bfloat16 autocast (the weights, the optimizer and the
+   held-out passes stay float32), for a CPU with bf16 products (AVX512-BF16, AMX: cpu_has_bf16).
 """
 
 from __future__ import annotations
@@ -196,6 +198,7 @@ class DraftSettings:
     eval_every: int = 200
     seed: int = 0
     bf16: bool = False  # training passes under bfloat16 autocast (weights and optimizer in float32)
+    every_position: bool = False  # the prompts' positions count too, against the target's distribution
 
 
 def _batch(data, wins: Tensor, rows: list[int], T: int, device) -> tuple[Tensor, ...]:
@@ -226,25 +229,46 @@ READOUT_ROWS = 128
 
 
 def draft_losses(
-    head: DraftHead, x, prev, want, y, unroll: int, noise: float = 0.0, generator=None
+    head: DraftHead,
+    x,
+    prev,
+    want,
+    y,
+    unroll: int,
+    noise: float = 0.0,
+    generator=None,
+    every_position: bool = False,
 ) -> tuple[Tensor, Tensor, list[Float[Tensor, "M Vd"]]]:
-    """(feature loss, token loss, logits per unrolled pass at the M positions with a label y >= 0) of
-    a batch; labels -1 count in neither loss, labels outside the head's vocabulary only in the feature
-    loss. The readout runs only at those M positions: most of a window is the prompt before the answer."""
-    mapped = y
-    if head.vocab_ids is not None:
+    """(feature loss, token loss, logits per unrolled pass at the M positions that count) of a batch.
+
+    By default the positions that count are those with a label y >= 0 (the answers' tokens, whose
+    label is the target's argmax); labels outside the head's vocabulary count only in the feature
+    loss. every_position: every position with a feature counts, the prompt's too (a zero `want` marks
+    padding and a sequence's last position), and the token loss is a cross-entropy against the
+    target's own distribution softmax(h_j W^T) over the head's vocabulary rather than its argmax: at
+    a prompt position the label is the user's next token, which is not what the target predicts. The
+    readout runs only at the M positions (most of a window is the prompt before the answer)."""
+    if every_position:
+        valid = want.abs().amax(dim=-1) > 0
+    else:
+        valid = y >= 0
+    at = valid.nonzero(as_tuple=True)
+    counted = y[at]
+    if head.vocab_ids is not None and not every_position:
         lookup = torch.full((head.config.vocab_size,), -1, dtype=torch.long, device=y.device)
         lookup[head.vocab_ids] = torch.arange(len(head.vocab_ids), device=y.device)
-        mapped = torch.where(y >= 0, lookup[y.clamp(min=0)], y)
-    valid = y >= 0
-    at = valid.nonzero(as_tuple=True)
-    counted = mapped[at]
+        counted = lookup[counted]
     # the readout's rows padded to a multiple of READOUT_ROWS (padding counts in no loss): under bf16
     # autocast on a CPU, oneDNN keeps a packed copy of the weight for each shape it multiplies, so a
     # count of rows that differs every batch would grow the memory without bound
     M, pad = len(counted), -len(counted) % READOUT_ROWS
     at = tuple(torch.cat([i, i.new_zeros(pad)]) for i in at)
     counted = torch.cat([counted, counted.new_full((pad,), -1)])
+    soft = None
+    if every_position:  # the target's distribution at the M positions (padding rows: all zero)
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            soft = F.linear(want[at].float(), head.readout.float()).softmax(dim=-1)
+            soft[M:] = 0.0
     feats = (
         prev if noise == 0 else prev + noise * torch.randn(prev.shape, generator=generator).to(prev.device)
     )
@@ -256,7 +280,10 @@ def draft_losses(
         all_logits.append(logits[:M])
         diff = F.smooth_l1_loss(g, want, reduction="none") * valid[..., None]
         f_loss = f_loss + diff.sum() / (valid.sum() * g.shape[-1]).clamp(min=1)
-        t_loss = t_loss + F.cross_entropy(logits.float(), counted, ignore_index=-1)
+        if soft is None:
+            t_loss = t_loss + F.cross_entropy(logits.float(), counted, ignore_index=-1)
+        else:
+            t_loss = t_loss - (soft * logits.float().log_softmax(dim=-1)).sum() / max(M, 1)
         feats = torch.cat([prev[:, :1], g[:, :-1]], dim=1)  # the next pass reads the head's own g_{j-1}
     return f_loss / unroll, t_loss / unroll, all_logits
 
@@ -329,7 +356,9 @@ def train_draft_head(
         rows = order[at * s.batch_size : (at + 1) * s.batch_size].tolist()
         x, prev, want, y = _batch(train, wins, rows, s.T, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.bf16):
-            f_loss, t_loss, _ = draft_losses(head, x, prev, want, y, s.unroll, s.noise, generator)
+            f_loss, t_loss, _ = draft_losses(
+                head, x, prev, want, y, s.unroll, s.noise, generator, every_position=s.every_position
+            )
         loss = s.w_feature * f_loss + s.w_token * t_loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

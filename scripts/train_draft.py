@@ -1,6 +1,6 @@
 """Train an EAGLE-style draft head for SmolLM2-135M-Instruct (or --model) on its own answers.
 
-    python scripts/train_draft.py                       # about an hour on 2 cores, into runs/draft-head
+    python scripts/train_draft.py                       # about 80 minutes on 2 cores, into runs/draft-head
     python scripts/train_draft.py --prompts 64 --steps 50 --out /tmp/head   # a quick trial
 
 1. chat prompts cut from CPython's pydoc topics (every 10th topic held out; --tasks tasks for each
@@ -9,8 +9,9 @@
    engine;
 2. with the answers, the features the engine computed on the way (the final norm's output at every
    position of prompt and answer), in chunks of 256 prompts (work/features/answers-*.safetensors);
-3. the head trained on the answers (checkpoints in work/checkpoint/, resumed if there); the held-out
-   acceptance on the held-out topics' answers is printed at every evaluation.
+3. the head trained on them (checkpoints in work/checkpoint/, resumed if there): by default at every
+   position, against the target's own distribution (--positions); the held-out acceptance on the
+   held-out topics' answers is printed at every evaluation.
 Every stage keeps what is already on disk, so an interrupted command goes on where it stopped. The head
 is saved as runs/draft-head/draft_head.safetensors + draft_head.json, where `generate.py --draft head`
 and `benchmark.py speculative --drafts head` look for it.
@@ -66,6 +67,13 @@ def parse_args(argv):
     p.add_argument("--unroll", type=int, default=2, help="training passes (2: also from its own features)")
     p.add_argument(
         "--w-token", type=float, default=0.5, help="weight of the cross-entropy (the feature loss: 1)"
+    )
+    p.add_argument(
+        "--positions",
+        choices=["all", "answers"],
+        default="all",
+        help="where the losses count: every position, against the target's distribution (all), or the "
+        "answers' tokens only, against its argmax (answers)",
     )
     p.add_argument(
         "--precision",
@@ -143,11 +151,17 @@ def main(argv=None) -> int:
     bf16 = args.precision == "bf16" or (args.precision == "auto" and dt.cpu_has_bf16())
     precision = "bfloat16 autocast" if bf16 else "float32"
     summary.append(f"training passes in {precision}, {args.steps} steps of {args.batch_size} windows")
+    summary.append(
+        "losses at every position, against the target's distribution"
+        if args.positions == "all"
+        else "losses at the answers' tokens, against the target's argmax"
+    )
     log(f"3. training the head ({sum(p.numel() for p in head.parameters()):,} parameters, {precision})")
     history = dt.train_draft_head(
         head, data["train"], data["held"], work / "checkpoint", log=log, steps=args.steps,
         batch_size=args.batch_size, T=args.window, lr=args.lr, unroll=args.unroll,
         eval_every=args.eval_every, seed=args.seed, w_token=args.w_token, bf16=bf16,
+        every_position=args.positions == "all",
     )  # fmt: skip
     save_draft_head(head, args.out, {"history": history, "model": str(source)})
     if args.markdown:

@@ -521,14 +521,15 @@ def test_tree_needs_static_caches():
         tree_generate(target, ModelTreeDraft(target, 2), prompt(20, 1), 8)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp32-every-position"])
 def test_draft_training_learns_on_a_tiny_target(tmp_path, precision):
     """160 steps on a tiny target's own greedy continuations (1,400 positions), answered on the serving
     engine with their features (answer_with_features, saved and loaded as train_draft.py does), lift
     the head's held-out agreement with the target's next token from chance (1/64) to several times
     that, and a run stopped and resumed from its checkpoint ends with the same head as an
-    uninterrupted one; in float32 and with the training passes under bfloat16 autocast (bf16=True,
-    what train_draft.py uses where the CPU multiplies bf16), whose weights stay float32."""
+    uninterrupted one; in float32, with the training passes under bfloat16 autocast (bf16=True,
+    what train_draft.py uses where the CPU multiplies bf16), whose weights stay float32, and with the
+    losses at every position against the target's distribution (every_position=True)."""
     from cs336_inference import draft_training as dt
 
     target = tiny_model("gqa")
@@ -544,7 +545,7 @@ def test_draft_training_learns_on_a_tiny_target(tmp_path, precision):
         assert seq[4:].tolist() == generate(target, prompts[i], 40, stop_token_ids=[]).tolist(), i
         assert train["labels"][starts[i] : starts[i + 1]].tolist() == [*seq[1:].tolist(), -1], i
     settings = dict(steps=160, batch_size=8, T=32, lr=3e-3, warmup=10, eval_every=80, unroll=2,
-                    bf16=precision == "bf16")  # fmt: skip
+                    bf16=precision == "bf16", every_position=precision.endswith("every-position"))  # fmt: skip
     torch.manual_seed(0)
     head = DraftHead(target.config).attach(target)
     history = dt.train_draft_head(
@@ -578,7 +579,8 @@ def test_draft_training_learns_on_a_tiny_target(tmp_path, precision):
 @pytest.mark.parametrize("variant", ["gqa", "mha"])
 def test_fixed_step_tree_pass_equals_the_readable_one(mode, variant):
     """A tree pass as a fixed-shape step (step.c's cs336_layers_tree when native) gives the readable
-    tree_forward's logits and features, and after keep_path the same cache."""
+    tree_forward's logits and features, and after keep_path the same cache; native passes of every
+    size share the cache's one NativeLayers."""
     from cs336_inference.fast.cpu import build
     from cs336_inference.fast.step.fixed import FixedSteps
 
@@ -600,6 +602,16 @@ def test_fixed_step_tree_pass_equals_the_readable_one(mode, variant):
         f"{mode}: tree-pass logits differ from the readable ones by {float((logits - want_logits).abs().max()):.1e}"
     )
     assert torch.allclose(h, want_h, atol=1e-4), f"{mode}: tree-pass features differ"
+    if mode == "native":  # one NativeLayers for every pass of the cache (building one takes a few ms)
+        runner.prepare(3)
+        passes = {T: step.step.native for T, step in runner.trees.items()}
+        assert sorted(passes) == [1, 3, 8] and all(n is runner.native for n in passes.values()), (
+            f"the passes of one cache must share its NativeLayers: {passes}"
+        )
+        from cs336_inference.fast.step.fixed import StaticDecodeStep
+
+        with pytest.raises(ValueError, match="same model and cache"):
+            StaticDecodeStep(target, target.new_cache(1, 64), 2, native=runner.native)
     path = [0, 1, 3, 6, 7]
     keep_path(cache, len(context) - 1, path)
     check_cache_holds(f"{mode} tree pass", target, cache, torch.cat([context[:-1], tree.tokens[path]]), 0)
@@ -825,10 +837,11 @@ def test_answer_masks_count_only_answer_predictions():
     assert x[1].tolist() == [7, 8, 6, 0] and y[1].tolist() == [-1, 112, -1, -1]
 
 
-def test_draft_losses_do_not_depend_on_the_readout_padding(monkeypatch):
+@pytest.mark.parametrize("every_position", [False, True])
+def test_draft_losses_do_not_depend_on_the_readout_padding(monkeypatch, every_position):
     """draft_losses pads the readout's rows to a multiple of READOUT_ROWS (a few fixed shapes, so that
     oneDNN's per-shape weight copies under bf16 autocast stay few): the padding counts in no loss and
-    the logits it returns are those of the M labelled positions, equal to an unpadded readout's."""
+    the logits it returns are those of the M positions that count, equal to an unpadded readout's."""
     from cs336_inference import draft_training as dt
 
     target = tiny_model("gqa")
@@ -837,18 +850,69 @@ def test_draft_losses_do_not_depend_on_the_readout_padding(monkeypatch):
     B, T, D = 3, 10, target.config.d_model
     x = torch.randint(0, 64, (B, T))
     prev, want = torch.randn(B, T, D), torch.randn(B, T, D)
+    want[1, 6:] = 0.0  # padding: no feature
     y = torch.randint(-1, 64, (B, T))  # -1 and odd ids (outside the head's vocabulary) count in no CE
-    M = int((y >= 0).sum())
+    M = B * T - 4 if every_position else int((y >= 0).sum())
     results = {}
     for rows in (1, 16, 128):
         monkeypatch.setattr(dt, "READOUT_ROWS", rows)
-        f_loss, t_loss, logits = dt.draft_losses(head, x, prev, want, y, unroll=2)
+        f_loss, t_loss, logits = dt.draft_losses(
+            head, x, prev, want, y, unroll=2, every_position=every_position
+        )
         assert [lg.shape[0] for lg in logits] == [M, M], f"READOUT_ROWS={rows}: logits of {M} positions"
         results[rows] = (f_loss, t_loss, logits)
     for rows in (16, 128):
         for what, a, b in zip(["feature loss", "token loss", "logits", "logits"], [*results[1][:2], *results[1][2]],
                               [*results[rows][:2], *results[rows][2]], strict=True):  # fmt: skip
             assert torch.allclose(a, b, atol=1e-6), f"READOUT_ROWS={rows} changed the {what}"
+
+
+def test_draft_losses_at_every_position_distil_the_target_distribution():
+    """every_position=True (train_draft.py's default): every position with a feature counts, the
+    prompt's too, whatever its label, and the token loss is the cross-entropy of the head's draft
+    distribution against the target's own, softmax(h_j W^T) over the head's vocabulary rows: checked
+    against torch.distributions (entropy + KL), and the feature loss against a smooth L1 over
+    exactly those positions."""
+    from torch.distributions import Categorical, kl_divergence
+
+    from cs336_inference import draft_training as dt
+
+    target = tiny_model("gqa")
+    torch.manual_seed(0)
+    vocab = torch.arange(0, 64, 2)
+    head = DraftHead(target.config, vocab).attach(target)
+    B, T, D = 2, 9, target.config.d_model
+    x = torch.randint(0, 64, (B, T))
+    prev, want = torch.randn(B, T, D), torch.randn(B, T, D)
+    want[0, 7:] = 0.0  # padding: no feature, no loss
+    counted = want.abs().amax(-1) > 0
+    answers = torch.full((B, T), -1)
+    answers[1, 4:] = torch.randint(0, 64, (5,))  # a few answer labels; the others are prompt positions
+    got = [
+        dt.draft_losses(head, x, prev, want, y, unroll=1, every_position=True)
+        for y in (answers, -answers.abs())
+    ]
+    for a, b in zip([*got[0][:2], *got[0][2]], [*got[1][:2], *got[1][2]], strict=True):
+        assert torch.equal(a, b), (
+            "with every_position the labels y must not matter (the target's distribution counts)"
+        )
+    f_loss, t_loss, (logits,) = got[0]
+    assert logits.shape == (int(counted.sum()), len(vocab)), (
+        f"logits at every position with a feature ({int(counted.sum())}), got {tuple(logits.shape)}"
+    )
+    with torch.no_grad():
+        g = head(x, prev)
+        teacher = Categorical(logits=want[counted] @ target.vocab_weight[vocab].T)
+        student = Categorical(logits=head.logits(g[counted]))
+        expected = (teacher.entropy() + kl_divergence(teacher, student)).mean()
+        feature = torch.nn.functional.smooth_l1_loss(g[counted], want[counted])
+    assert torch.allclose(t_loss, expected, atol=1e-5), (
+        f"token loss {float(t_loss):.6f}: expected the cross-entropy against the target's distribution "
+        f"{float(expected):.6f}"
+    )
+    assert torch.allclose(f_loss, feature, atol=1e-6), (
+        f"feature loss {float(f_loss):.6f}: expected smooth L1 over the positions with a feature {float(feature):.6f}"
+    )
 
 
 def test_benchmark_rows_of_tree_drafts():

@@ -84,7 +84,9 @@ class StaticDecodeStep:
     T > 1 is a verify pass of speculative decoding: the T queries see the cache and each other causally.
     """
 
-    def __init__(self, model, cache: KVCache, T: int = 1, native: bool = False):
+    def __init__(self, model, cache: KVCache, T: int = 1, native: bool | NativeLayers = False):
+        """native: the layers in one C call; a NativeLayers of this model and cache is shared (it does
+        not depend on T), so that another size of pass does not build and check the layers again."""
         for i, store in enumerate(cache.layers):
             if store is not None and not isinstance(store, StaticKVCache):
                 raise ValueError(
@@ -94,9 +96,11 @@ class StaticDecodeStep:
         if T < 1:
             raise ValueError(f"a fixed-shape step needs T >= 1 tokens, got {T}")
         self.model, self.cache, self.T = model, cache, T
-        install(model)  # the products through the kernels (a no-op if the model has them already)
+        shared = isinstance(native, NativeLayers)  # (made by a step that did the next two already)
+        if not shared:
+            install(model)  # the products through the kernels (a no-op if the model has them already)
         device = model.embed.weight.device
-        if device.type == "cpu":
+        if device.type == "cpu" and not shared:
             fuse_siblings(model)  # q/k/v and gate/up as one product each (fast/step/fuse.py)
         B = cache.layers[0].k.shape[0]
         self.ids = torch.zeros(B, T, dtype=torch.long, device=device)
@@ -112,10 +116,15 @@ class StaticDecodeStep:
         self.tree: Tensor | None = None
         self.tree_bits: Tensor | None = None
         self.hidden: Tensor | None = None  # the last forward's final-norm output [B, T, D]
-        self.native = NativeLayers(model, cache) if native else None  # every layer in one C call
+        if shared:
+            if native.model is not model or native.cache is not cache:
+                raise ValueError("a shared NativeLayers must be of the same model and cache")
+            self.native = native
+        else:
+            self.native = NativeLayers(model, cache) if native else None  # every layer in one C call
         # native: our product first, each row's logits independent of T (with it, SmolLM2's compiled
         # 5-token verify pass went from 1.43x to 1.23x a step: docs/kernels.md, Intel Xeon)
-        self.output = OutputHead(model, ours_first=native)
+        self.output = OutputHead(model, ours_first=bool(native))
 
     def forward(self, readout: bool = True) -> Float[Tensor, "B T V"] | None:
         """readout=False stops at the final norm (self.hidden): a prefill's pieces before its last."""
@@ -172,12 +181,13 @@ class FixedStep:
     mode "graph" (CUDA only; the default there): recorded as a CUDA graph on the first call, replayed
     after; the logits tensor is the graph's own output buffer, overwritten by the next call (clone it
     to keep it). "compile" (CPU only): torch.compile'd on the first call. "native" (CPU only): the
-    decoder layers in one C call (native.py; ValueError for a model it does not support).
-    "eager" (the default on the CPU): the fixed-shape forward as it is. Each call copies the tokens and cache.pos into the
+    decoder layers in one C call (native.py; ValueError for a model it does not support); `native`,
+    a NativeLayers of this model and cache, is shared rather than made again. "eager" (the default on
+    the CPU): the fixed-shape forward as it is. Each call copies the tokens and cache.pos into the
     step's fixed inputs, runs, and advances cache.pos by T.
     """
 
-    def __init__(self, model, cache: KVCache, mode: str | None = None, T: int = 1):
+    def __init__(self, model, cache: KVCache, mode: str | None = None, T: int = 1, native=None):
         device = model.embed.weight.device.type
         mode = mode or ("graph" if device == "cuda" else "eager")
         if mode not in MODES:
@@ -186,7 +196,7 @@ class FixedStep:
             raise ValueError(
                 f"mode {mode!r} runs on {'CUDA' if mode == 'graph' else 'the CPU'}, not {device}"
             )
-        step = StaticDecodeStep(model, cache, T, native=mode == "native")
+        step = StaticDecodeStep(model, cache, T, native=(native or True) if mode == "native" else False)
         self.step, self.cache, self.mode, self.T = step, cache, mode, T
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: Tensor | None = None
@@ -240,7 +250,7 @@ PREFILL_ROWS = ops.MAX_ROWS  # a native prefill's pass: the most rows a native s
 
 @torch.inference_mode()
 def native_prefill(
-    model, cache: KVCache, ids: Int[Tensor, "1 P"], rows: int = PREFILL_ROWS
+    model, cache: KVCache, ids: Int[Tensor, "1 P"], rows: int = PREFILL_ROWS, native=None
 ) -> tuple[Float[Tensor, "1 V"], Float[Tensor, "P D"]]:
     """A prompt's prefill as native steps of up to `rows` tokens from cache.pos on: the last position's
     logits and every position's feature (the final norm's output); cache.pos advances by P.
@@ -249,7 +259,8 @@ def native_prefill(
     eager forward hands a few dozen rows to BLAS. No pass is padded: the last one ends at the prompt's
     last token and writes again the positions before it that the pass before wrote, with the same
     numbers (a native row's result does not depend on the rows beside it, and each row attends to
-    the same cache). Only the last position goes through the output matrix.
+    the same cache). Only the last position goes through the output matrix. native: a NativeLayers
+    of this model and cache to run (StaticDecodeStep), else one is made.
     """
     P, start = ids.shape[1], cache.pos
     if P < 1 or start + P > cache.capacity:
@@ -257,7 +268,7 @@ def native_prefill(
             f"a prefill of {P} tokens from step {start} does not fit a cache of {cache.capacity}"
         )
     R = min(rows, P)
-    step = StaticDecodeStep(model, cache, R, native=True)
+    step = StaticDecodeStep(model, cache, R, native=native or True)
     hidden = torch.empty(P, model.config.d_model, device=ids.device)
     s = 0
     while True:
@@ -289,6 +300,8 @@ class FixedShapes:
         self.config, self.embed = model.config, model.embed
         self.steps = {1: FixedStep(model, cache, mode, 1)}  # checks the cache and the mode
         self.trees = {1: self.steps[1]}  # tree passes by node count (tree); a root alone is a decode step
+        # native: every step of this cache shares the decode step's layers (a few ms to build each)
+        self.native = self.steps[1].step.native
 
     def __call__(self, ids: Int[Tensor, "1 T"], cache: KVCache, last_only: bool = False) -> Tensor:
         if cache is not self.cache:
@@ -300,7 +313,7 @@ class FixedShapes:
             return self.model(ids, cache=cache)
         size = T if self.mode == "native" else 1 if T == 1 else self.T_max
         if size not in self.steps:
-            self.steps[size] = FixedStep(self.model, cache, self.mode, size)
+            self.steps[size] = FixedStep(self.model, cache, self.mode, size, self.native)
         start = cache.pos
         padded = ids if size == T else torch.cat([ids, ids.new_zeros(1, size - T)], dim=1)
         logits = self.steps[size](padded)
@@ -311,7 +324,7 @@ class FixedShapes:
         """The prompt's prefill into the cache: the last position's logits and every position's
         feature (`native_prefill` in mode "native", else speculative_tree.prompt_features)."""
         if self.mode == "native":
-            return native_prefill(self.model, self.cache, ids[None])
+            return native_prefill(self.model, self.cache, ids[None], native=self.native)
         from cs336_inference.speculative_tree import prompt_features
 
         return prompt_features(self.model, ids, self.cache)
@@ -320,7 +333,7 @@ class FixedShapes:
         """The tree pass of T nodes, built on first use (a few ms: speculative_tree keeps it out of its
         timing of the pass)."""
         if T not in self.trees:
-            self.trees[T] = FixedStep(self.model, self.cache, self.mode, T)
+            self.trees[T] = FixedStep(self.model, self.cache, self.mode, T, self.native)
         return self.trees[T]
 
     def tree(self, cache: KVCache, tree, return_hidden: bool = False):
