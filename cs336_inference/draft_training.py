@@ -248,10 +248,7 @@ def draft_losses(
     target's own distribution softmax(h_j W^T) over the head's vocabulary rather than its argmax: at
     a prompt position the label is the user's next token, which is not what the target predicts. The
     readout runs only at the M positions (most of a window is the prompt before the answer)."""
-    if every_position:
-        valid = want.abs().amax(dim=-1) > 0
-    else:
-        valid = y >= 0
+    valid = want.abs().amax(dim=-1) > 0 if every_position else y >= 0
     at = valid.nonzero(as_tuple=True)
     counted = y[at]
     if head.vocab_ids is not None and not every_position:
@@ -283,7 +280,7 @@ def draft_losses(
         if soft is None:
             t_loss = t_loss + F.cross_entropy(logits.float(), counted, ignore_index=-1)
         else:
-            t_loss = t_loss - (soft * logits.float().log_softmax(dim=-1)).sum() / max(M, 1)
+            t_loss = t_loss + F.cross_entropy(logits.float(), soft, reduction="sum") / max(M, 1)
         feats = torch.cat([prev[:, :1], g[:, :-1]], dim=1)  # the next pass reads the head's own g_{j-1}
     return f_loss / unroll, t_loss / unroll, all_logits
 
