@@ -198,6 +198,26 @@ def test_a_request_gets_the_same_bits_alone_and_beside_others():
         )
 
 
+def test_an_engine_gone_frees_its_kv_cache():
+    """The native step kept for an engine's cache (paged_step, a weak map from cache to step) does not
+    keep that cache alive: once the engine is gone, so is its KV store. (A step that held its cache
+    kept every engine's cache: answering the draft head's training prompts in chunks, one engine per
+    chunk, grew by an engine's cache a chunk until the process was killed.)"""
+    import gc
+    import weakref
+
+    from cs336_inference.fast.step.paged import paged_step
+
+    model = install(tiny("gqa"))
+    engine = LLMEngine(model, num_blocks=8, block_size=4, max_batch_tokens=8, max_batch_seqs=2)
+    engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, stop_token_ids=()))
+    assert paged_step(model, engine.cache) is not None, "the engine's steps did not take the native path"
+    cache = weakref.ref(engine.cache)
+    del engine
+    gc.collect()
+    assert cache() is None, "the engine is gone but its KV cache is still alive"
+
+
 @pytest.mark.parametrize(
     "variant", ["gqa", "wide_group", "groups_of_3_h64", "groups_of_4_h64", "groups_of_4_h128"]
 )

@@ -49,6 +49,16 @@ class PagedLayers(NativeLayers):
 
     why_not = staticmethod(why_not_paged)
 
+    # a weak reference: paged_step keeps the step in a WeakKeyDictionary keyed by its cache, whose
+    # entry would never go (nor the cache's memory, an engine's whole KV store) if its value held it
+    @property
+    def cache(self):
+        return self._cache()
+
+    @cache.setter
+    def cache(self, cache) -> None:
+        self._cache = weakref.ref(cache)
+
     def _stores(self, i: int) -> tuple[Tensor, Tensor]:
         return self.cache.layers[i]
 
