@@ -222,8 +222,11 @@ class HeadDraft:
     many as an AdaptiveDepth over chains chooses, one for each length n of the match (copying and
     the head succeed on different text, and a match of two tokens is weaker evidence of a copy than
     one of three; 0 leaves the round to the head). Where the context's last COPY_RUN tokens occurred
-    before, a copy is under way and the round drafts all lookup found (up to copy_depth): copies come
-    in runs, which the chooser's averages would follow only a level at a time.
+    before, a copy is under way and the round drafts all that followed them (up to copy_depth): copies
+    come in runs, which the chooser's averages would follow only a level at a time. After a round whose
+    copy was accepted whole, the next copy under way may draft twice as many, up to run_depth
+    (default copy_depth): a long copy then takes fewer verify passes; a rejection brings the cap back
+    to copy_depth. (A chain deeper than copy_depth is no choice of the copiers': not recorded.)
     gate: the head drafts only the nodes of `shape` whose path it is sure enough of
     (`speculative_tree.ConfidenceGate`: the product of its probabilities along the path against
     what a drafted node measurably costs), instead of a chosen depth (`adaptive` then chooses only
@@ -241,6 +244,7 @@ class HeadDraft:
         lookup: bool = False,
         copy_depth: int | None = None,
         gate: bool = False,
+        run_depth: int | None = None,
     ):
         from .speculative_tree import AdaptiveDepth, ConfidenceGate, TreeShape, as_shape
 
@@ -248,8 +252,11 @@ class HeadDraft:
         self.copy_depth = self.shape.depth if copy_depth is None or not lookup else copy_depth
         if self.copy_depth < 1:
             raise ValueError(f"copy_depth must be >= 1, got {copy_depth}")
-        self.max_depth = max(self.shape.depth, self.copy_depth)
-        self.max_nodes = len(self.shape) + (self.copy_depth if lookup else 0)
+        self.run_depth = self.copy_depth if run_depth is None or not lookup else run_depth
+        if self.run_depth < self.copy_depth:
+            raise ValueError(f"run_depth must be >= copy_depth ({self.copy_depth}), got {run_depth}")
+        self.max_depth = max(self.shape.depth, self.run_depth)
+        self.max_nodes = len(self.shape) + (self.run_depth if lookup else 0)
         self.gate = ConfidenceGate() if gate else None
         self.adaptive = AdaptiveDepth(self.shape) if adaptive and not gate else None
         # with both, copying has choices of its own: how many of the tokens lookup found to draft,
@@ -264,13 +271,13 @@ class HeadDraft:
     def auto(cls, head: DraftHead) -> HeadDraft:
         """The CLI's drafting: DEFAULT_TREE with adaptive depth, prompt lookup first, copies of up to
         8 tokens (a copy often runs longer than the head's drafts are worth; the copying chooser
-        takes fewer where they are rejected). `benchmark.py speculative --drafts head-auto` measures
+        takes fewer where they are rejected), 16 for a copy under way that keeps being accepted. `benchmark.py speculative --drafts head-auto` measures
         it. (With the confidence gate instead of the adaptive depth it drafted more tokens a pass
         but was no faster on a 2-core CPU, where every node it adds costs the verify pass a row:
         docs/speculative.md.)"""
         from .speculative_tree import DEFAULT_TREE
 
-        return cls(head, DEFAULT_TREE, adaptive=True, lookup=True, copy_depth=8)
+        return cls(head, DEFAULT_TREE, adaptive=True, lookup=True, copy_depth=8, run_depth=16)
 
     def reset(self, capacity: int, spare: int) -> None:
         head = self.head
@@ -280,6 +287,7 @@ class HeadDraft:
         self.known = 0  # features of positions 0 .. known - 1 are in self.feats
         self.fed = 0  # the head's cache holds positions 1 .. fed (position j at step j - 1)
         self.last_g: Tensor | None = None  # the head's output at position fed
+        self.run_cap, self.copying = self.copy_depth, False  # a copy under way's drafts, at most
         for chooser in self.choosers:
             chooser.reset()
 
@@ -289,11 +297,15 @@ class HeadDraft:
 
     def record(self, tree, path, draft_s: float, verify_s: float) -> None:
         """A round's outcome to the adaptive choice that made it; a round of plain decoding to both
-        (each compares its depths with plain decoding's time)."""
+        (each compares its depths with plain decoding's time). A copy under way accepted whole doubles
+        the next one's cap (up to run_depth); one rejected sets it back to copy_depth."""
+        if self.copying:
+            whole = len(path) == len(tree)
+            self.run_cap = min(2 * self.run_cap, self.run_depth) if whole else self.copy_depth
         if len(tree) == 1:
             for chooser in self.choosers:
                 chooser.record(tree, path, draft_s, verify_s)
-        elif self.drafter is not None:
+        elif self.drafter is not None and not (self.copying and len(tree) - 1 > self.copy_depth):
             self.drafter.record(tree, path, draft_s, verify_s)
 
     def _distribution(self, g: Tensor, params) -> Tensor:
@@ -316,6 +328,7 @@ class HeadDraft:
             raise ValueError(f"the head has the features of {self.known} positions, expected {n - 1}")
         root = DraftTree(context[-1:], torch.tensor([-1], device=device))
         self.drafter = None  # which choice this round's drafts came from (record)
+        self.copying = False  # whether this round drafts a copy under way
         if budget <= 0 or n < 2:
             return root
         if self.lookup:
@@ -326,10 +339,13 @@ class HeadDraft:
                 found = prompt_lookup(tail, k, match, match)
                 if found:
                     break
+            if found and match == LOOKUP_N[0]:  # a copy under way drafts all that followed its run
+                run = prompt_lookup(tail, min(budget, self.run_cap), COPY_RUN, COPY_RUN)
+                found, self.copying = run or found, bool(run)
             if found and self.copiers:
                 self.drafter = self.copiers[LOOKUP_N[0] - match]
-                if not (match == LOOKUP_N[0] and prompt_lookup(tail, k, COPY_RUN, COPY_RUN)):
-                    found = found[: self.drafter.choose()]  # (a copy under way drafts all it found)
+                if not self.copying:
+                    found = found[: self.drafter.choose()]
             if found:  # the continuation alone, a chain of deterministic drafts (p one-hot)
                 chain = torch.tensor([int(context[-1]), *found], device=device)
                 p = None

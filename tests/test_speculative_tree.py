@@ -785,6 +785,41 @@ def test_head_auto_copies_by_match_length():
             assert len(tree) == 1, f"{name}: {len(tree) - 1} drafts before any round was timed, expected 0"
 
 
+def test_head_copy_under_way_doubles_its_cap():
+    """run_depth: a copy under way accepted whole lets the next one draft twice as many tokens (up to
+    run_depth), a rejected one sets the cap back to copy_depth; such a chain, deeper than copy_depth,
+    is not recorded as the copiers' choice (test_head_copy_chains_go_deeper_than_the_tree verifies
+    chains deeper than the tree)."""
+    target = tiny_model("gqa")
+    head = e2e_head(target)
+    D = target.config.d_model
+    motif = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(6))[:40]
+    drafter = HeadDraft(head, SMALL_TREE, adaptive=True, lookup=True, copy_depth=3, run_depth=8)
+    assert drafter.max_depth == 8 and drafter.max_nodes >= 9
+    drafter.reset(128, drafter.max_nodes)
+    context, greedy = motif.tolist() + motif[:6].tolist(), SamplingParams(temperature=0.0)
+    drafter.observe(torch.zeros(len(context) - 1, D))
+    copier = drafter.copiers[0]
+    for accepted, want_cap in [(None, 3), (None, 6), (None, 8), (2, 8), (None, 3)]:
+        tree = drafter.propose_tree(torch.tensor(context), greedy)
+        drafts = tree.tokens[1:].tolist()
+        at = len(context) - len(motif)  # where in the motif the copy goes on
+        assert drafts == motif[at : at + want_cap].tolist(), (
+            f"a copy under way at motif position {at}: drafted {len(drafts)} tokens {drafts}, expected "
+            f"the {want_cap} that follow"
+        )
+        before = (list(copier.reached), list(copier.accepted))
+        keep = len(tree) if accepted is None else accepted + 1
+        drafter.record(tree, list(range(keep)), 0.01, 0.02)
+        if len(tree) - 1 > 3:
+            assert (copier.reached, copier.accepted) == before, "a chain deeper than copy_depth was recorded"
+        new = drafts[: keep - 1] + [int(motif[at + keep - 1])]  # the accepted drafts and the target's token
+        context += new
+        drafter.observe(torch.zeros(len(new), D))
+    with pytest.raises(ValueError, match="run_depth"):
+        HeadDraft(head, SMALL_TREE, lookup=True, copy_depth=4, run_depth=3)
+
+
 def test_general_prompts_split_by_topic():
     from cs336_inference import draft_prompts as dp
     from cs336_inference.bench.speculative import CHAT_PROMPTS
