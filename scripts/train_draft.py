@@ -1,6 +1,6 @@
 """Train an EAGLE-style draft head for SmolLM2-135M-Instruct (or --model) on its own answers.
 
-    python scripts/train_draft.py                       # about 80 minutes on 2 cores, into runs/draft-head
+    python scripts/train_draft.py                       # 80-110 minutes on 2 cores, into runs/draft-head
     python scripts/train_draft.py --prompts 64 --steps 50 --out /tmp/head   # a quick trial
 
 1. chat prompts cut from CPython's pydoc topics (every 10th topic held out; --tasks tasks for each
