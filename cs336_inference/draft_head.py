@@ -271,10 +271,10 @@ class HeadDraft:
     def auto(cls, head: DraftHead) -> HeadDraft:
         """The CLI's drafting: DEFAULT_TREE with adaptive depth, prompt lookup first, copies of up to
         8 tokens (a copy often runs longer than the head's drafts are worth; the copying chooser
-        takes fewer where they are rejected), 16 for a copy under way that keeps being accepted. `benchmark.py speculative --drafts head-auto` measures
-        it. (With the confidence gate instead of the adaptive depth it drafted more tokens a pass
-        but was no faster on a 2-core CPU, where every node it adds costs the verify pass a row:
-        docs/speculative.md.)"""
+        takes fewer where they are rejected), 16 for a copy under way that keeps being accepted.
+        `benchmark.py speculative --drafts head-auto` measures it. (With the confidence gate instead
+        of the adaptive depth it drafted more tokens a pass but was no faster on a 2-core CPU, where
+        every node it adds costs the verify pass a row: docs/speculative.md.)"""
         from .speculative_tree import DEFAULT_TREE
 
         return cls(head, DEFAULT_TREE, adaptive=True, lookup=True, copy_depth=8, run_depth=16)
