@@ -779,9 +779,11 @@ void cs336_f32_cols(const float *x, i64 M, i64 I, i64 ldx, const float *wt, i64 
 
    whatever the number of rows, the tile's shape, the vector width or the threads; and a tile of TP
    panels is TP sequential streams of the weight. Tiles of TP panels x R rows of x, with AVX-512
-   (32 registers): 4 x 1 for one row, 4 x 4, 4 x 6, then 3 x 8 (24 accumulators); AVX2 (16): 1 x 6
-   (2 vectors a panel). Several row groups run one after another over a tile, whose weights are
-   then read from L2; so that memory does not sit idle meanwhile, each group also prefetches its
+   (32 registers): 4 x 1 for one row, 4 x 4, 4 x 6, 3 x 8 (24 accumulators), 2 x 16 for 9 to 24 rows
+   (up to 32 accumulators; measured faster than 3 x 8 there, slower past 24), then 3 x 8 again; AVX2
+   (16): 1 x 6 (2 vectors a panel). A verify pass of 9 to 16 rows so runs each tile once (as two 3 x 8
+   groups, 9 rows took a fifth longer than 8). Several row groups run one after another over a tile,
+   whose weights are then read from L2; so that memory does not sit idle meanwhile, each group also prefetches its
    share of the next tile's weights (nx, step bytes per input), spread evenly over the groups. The
    native steps (step.c, format 7) and OutputHead run their fp32 products this way; the layout is a
    second copy of the weight (fast/cpu/ops.panels). */
@@ -816,30 +818,38 @@ void cs336_f32_cols(const float *x, i64 M, i64 I, i64 ldx, const float *wt, i64 
     }
 typedef void (*panel_fn)(const float *, i64, const float *, i64, float *, const char *, i64);
 #if VL == 16
-enum { PANEL_TP_MAX = 4, PANEL_R_MAX = 8 };
+enum { PANEL_TP_MAX = 4, PANEL_R_MAX = 16 };
 DEF_PANEL_TILE(4, 1) DEF_PANEL_TILE(4, 2) DEF_PANEL_TILE(4, 3) DEF_PANEL_TILE(4, 4) DEF_PANEL_TILE(4, 5)
 DEF_PANEL_TILE(4, 6) DEF_PANEL_TILE(3, 1) DEF_PANEL_TILE(3, 2) DEF_PANEL_TILE(3, 3) DEF_PANEL_TILE(3, 4)
 DEF_PANEL_TILE(3, 5) DEF_PANEL_TILE(3, 6) DEF_PANEL_TILE(3, 7) DEF_PANEL_TILE(3, 8) DEF_PANEL_TILE(2, 1)
 DEF_PANEL_TILE(2, 2) DEF_PANEL_TILE(2, 3) DEF_PANEL_TILE(2, 4) DEF_PANEL_TILE(2, 5) DEF_PANEL_TILE(2, 6)
-DEF_PANEL_TILE(2, 7) DEF_PANEL_TILE(2, 8) DEF_PANEL_TILE(1, 1) DEF_PANEL_TILE(1, 2) DEF_PANEL_TILE(1, 3)
-DEF_PANEL_TILE(1, 4) DEF_PANEL_TILE(1, 5) DEF_PANEL_TILE(1, 6) DEF_PANEL_TILE(1, 7) DEF_PANEL_TILE(1, 8)
+DEF_PANEL_TILE(2, 7) DEF_PANEL_TILE(2, 8) DEF_PANEL_TILE(2, 9) DEF_PANEL_TILE(2, 10) DEF_PANEL_TILE(2, 11)
+DEF_PANEL_TILE(2, 12) DEF_PANEL_TILE(2, 13) DEF_PANEL_TILE(2, 14) DEF_PANEL_TILE(2, 15)
+DEF_PANEL_TILE(2, 16) DEF_PANEL_TILE(1, 1) DEF_PANEL_TILE(1, 2) DEF_PANEL_TILE(1, 3) DEF_PANEL_TILE(1, 4)
+DEF_PANEL_TILE(1, 5) DEF_PANEL_TILE(1, 6) DEF_PANEL_TILE(1, 7) DEF_PANEL_TILE(1, 8) DEF_PANEL_TILE(1, 9)
+DEF_PANEL_TILE(1, 10) DEF_PANEL_TILE(1, 11) DEF_PANEL_TILE(1, 12) DEF_PANEL_TILE(1, 13)
+DEF_PANEL_TILE(1, 14) DEF_PANEL_TILE(1, 15) DEF_PANEL_TILE(1, 16)
+#define P1(R) panel_tile_1_##R
+#define P2(R) panel_tile_2_##R
 /* [TP][R]: a short last tile (fewer panels) keeps the group's R */
-static const panel_fn PANEL_TILES[5][9] = {
+static const panel_fn PANEL_TILES[5][17] = {
     {0},
-    {0, panel_tile_1_1, panel_tile_1_2, panel_tile_1_3, panel_tile_1_4, panel_tile_1_5, panel_tile_1_6, panel_tile_1_7, panel_tile_1_8},
-    {0, panel_tile_2_1, panel_tile_2_2, panel_tile_2_3, panel_tile_2_4, panel_tile_2_5, panel_tile_2_6, panel_tile_2_7, panel_tile_2_8},
+    {0, P1(1), P1(2), P1(3), P1(4), P1(5), P1(6), P1(7), P1(8), P1(9), P1(10), P1(11), P1(12), P1(13), P1(14),
+     P1(15), P1(16)},
+    {0, P2(1), P2(2), P2(3), P2(4), P2(5), P2(6), P2(7), P2(8), P2(9), P2(10), P2(11), P2(12), P2(13), P2(14),
+     P2(15), P2(16)},
     {0, panel_tile_3_1, panel_tile_3_2, panel_tile_3_3, panel_tile_3_4, panel_tile_3_5, panel_tile_3_6, panel_tile_3_7, panel_tile_3_8},
-    {0, panel_tile_4_1, panel_tile_4_2, panel_tile_4_3, panel_tile_4_4, panel_tile_4_5, panel_tile_4_6, 0, 0}};
+    {0, panel_tile_4_1, panel_tile_4_2, panel_tile_4_3, panel_tile_4_4, panel_tile_4_5, panel_tile_4_6}};
 static void panel_shape(i64 M, int *TP, int *RG) {
-    *TP = M > 6 ? 3 : 4;
-    *RG = M > 6 ? 8 : M > 4 ? 6 : 4;
+    *TP = M > 24 ? 3 : M > 8 ? 2 : M > 6 ? 3 : 4;
+    *RG = M > 24 ? 8 : M > 8 ? 16 : M > 6 ? 8 : M > 4 ? 6 : 4;
 }
 #else /* AVX2 (16 registers) and narrower: one panel against up to 6 rows */
 enum { PANEL_TP_MAX = 1, PANEL_R_MAX = 6 };
 DEF_PANEL_TILE(1, 1) DEF_PANEL_TILE(1, 2) DEF_PANEL_TILE(1, 3) DEF_PANEL_TILE(1, 4) DEF_PANEL_TILE(1, 5)
 DEF_PANEL_TILE(1, 6)
-static const panel_fn PANEL_TILES[2][9] = {
-    {0}, {0, panel_tile_1_1, panel_tile_1_2, panel_tile_1_3, panel_tile_1_4, panel_tile_1_5, panel_tile_1_6, 0, 0}};
+static const panel_fn PANEL_TILES[2][17] = {
+    {0}, {0, panel_tile_1_1, panel_tile_1_2, panel_tile_1_3, panel_tile_1_4, panel_tile_1_5, panel_tile_1_6}};
 static void panel_shape(i64 M, int *TP, int *RG) {
     *TP = 1;
     *RG = VL == 8 ? 6 : 3;
