@@ -730,16 +730,19 @@ def test_native_step_refuses_more_rows_than_its_kernels_hold(fmt):
 
 # ------------------------------------------------------------------ the native prefill
 @pytest.mark.parametrize("fmt", ["fp32", "int8"])
-@pytest.mark.parametrize(("P", "rows", "start"), [(3, 4, 0), (4, 4, 0), (10, 4, 0), (9, 4, 5), (33, 32, 0)])
+@pytest.mark.parametrize(
+    ("P", "rows", "start"), [(3, 4, 0), (4, 4, 0), (10, 4, 0), (9, 4, 5), (33, 32, 0), (40, None, 3)]
+)
 def test_a_native_prefill_gives_the_bits_of_one_token_steps(fmt, P, rows, start):
     """native_prefill (passes of `rows` tokens, the last one ending at the prompt's end and writing
-    again what the pass before wrote) leaves every layer's K/V and the last logits bit for bit as
+    again what the pass before wrote; by default one pass of 40 with fp32 panels, two of 20 with int8)
+    leaves every layer's K/V and the last logits bit for bit as
     feeding the P tokens one by one through native decode steps does; its features are the final
     norm's output of each position, as the model's own forward gives them."""
     from cs336_inference.fast.step.fixed import native_prefill
 
     model = _native_model("gqa", fmt)
-    g = torch.Generator().manual_seed(P + rows + start)
+    g = torch.Generator().manual_seed(P + (rows or 0) + start)
     head = torch.randint(0, 64, (1, start), generator=g)
     ids = torch.randint(0, 64, (1, P), generator=g)
     with torch.inference_mode():
@@ -764,6 +767,26 @@ def test_a_native_prefill_gives_the_bits_of_one_token_steps(fmt, P, rows, start)
             f"{case}: layer {i}'s K/V differ from one-token steps"
         )
     assert torch.allclose(h, x, atol=1e-4), f"{case}: features differ by {(h - x).abs().max():.3g}"
+
+
+@pytest.mark.parametrize(("fmt", "P", "passes"), [("fp32", 40, 1), ("fp32", 90, 2), ("int8", 40, 2)])
+def test_a_native_prefill_takes_as_few_passes_as_its_products_allow(fmt, P, passes, monkeypatch):
+    """Each pass reads every weight again: with fp32 panels (any number of rows) a pass takes up to
+    PANEL_PREFILL_ROWS tokens (64 here), with int8 (sums of MAX_ROWS rows on the stack) 32, the
+    prompt split evenly."""
+    from cs336_inference.fast.step import fixed
+
+    model = _native_model("gqa", fmt)
+    monkeypatch.setattr(fixed, "PANEL_PREFILL_ROWS", 64)  # (the tiny model's context is 96)
+    ran = []
+    real = fixed.StaticDecodeStep.forward
+    monkeypatch.setattr(
+        fixed.StaticDecodeStep, "forward", lambda self, **kw: ran.append(self.T) or real(self, **kw)
+    )
+    ids = torch.randint(0, 64, (1, P), generator=torch.Generator().manual_seed(P))
+    fixed.native_prefill(model, model.new_cache(1, P), ids)
+    assert len(ran) == passes, f"{fmt}, {P} tokens: {len(ran)} passes of {ran}, expected {passes}"
+    assert max(ran) - min(ran) <= 1 and sum(ran) == P, f"{fmt}, {P} tokens: passes of {ran} are not even"
 
 
 def test_a_native_prefill_refuses_a_prompt_past_the_cache_in_one_line():
