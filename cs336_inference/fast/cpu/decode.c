@@ -780,13 +780,13 @@ void cs336_f32_cols(const float *x, i64 M, i64 I, i64 ldx, const float *wt, i64 
    whatever the number of rows, the tile's shape, the vector width or the threads; and a tile of TP
    panels is TP sequential streams of the weight. Tiles of TP panels x R rows of x, with AVX-512
    (32 registers): 4 x 1 for one row, 4 x 4, 4 x 6, 3 x 8 (24 accumulators), 2 x 16 for 9 to 24 rows
-   (up to 32 accumulators; measured faster than 3 x 8 there, slower past 24), then 3 x 8 again; AVX2
-   (16): 1 x 6 (2 vectors a panel). A verify pass of 9 to 16 rows so runs each tile once (as two 3 x 8
-   groups, 9 rows took a fifth longer than 8). Several row groups run one after another over a tile,
-   whose weights are then read from L2; so that memory does not sit idle meanwhile, each group also prefetches its
-   share of the next tile's weights (nx, step bytes per input), spread evenly over the groups. The
-   native steps (step.c, format 7) and OutputHead run their fp32 products this way; the layout is a
-   second copy of the weight (fast/cpu/ops.panels). */
+   (up to 32 accumulators; faster than 3 x 8 groups there, slower past 24), then 3 x 8 again; AVX2
+   (16): 1 x 6 (2 vectors a panel). A verify pass of 9 to 16 rows so runs each tile once. Several
+   row groups run one after another over a tile, whose weights are then read from L2; so that
+   memory does not sit idle meanwhile, each group also prefetches its share of the next tile's
+   weights (nx, step bytes per input), spread evenly over the groups. The native steps (step.c,
+   format 7) and OutputHead run their fp32 products this way; the layout is a second copy of the
+   weight (fast/cpu/ops.panels). */
 
 #define PW 16
 #define NV (PW / VL) /* vectors per panel */
@@ -841,8 +841,9 @@ static const panel_fn PANEL_TILES[5][17] = {
     {0, panel_tile_3_1, panel_tile_3_2, panel_tile_3_3, panel_tile_3_4, panel_tile_3_5, panel_tile_3_6, panel_tile_3_7, panel_tile_3_8},
     {0, panel_tile_4_1, panel_tile_4_2, panel_tile_4_3, panel_tile_4_4, panel_tile_4_5, panel_tile_4_6}};
 static void panel_shape(i64 M, int *TP, int *RG) {
-    *TP = M > 24 ? 3 : M > 8 ? 2 : M > 6 ? 3 : 4;
-    *RG = M > 24 ? 8 : M > 8 ? 16 : M > 6 ? 8 : M > 4 ? 6 : 4;
+    if (M <= 6) *TP = 4, *RG = M > 4 ? 6 : 4;
+    else if (M <= 8 || M > 24) *TP = 3, *RG = 8;
+    else *TP = 2, *RG = 16; /* 9 to 24 rows: one group, or two even ones */
 }
 #else /* AVX2 (16 registers) and narrower: one panel against up to 6 rows */
 enum { PANEL_TP_MAX = 1, PANEL_R_MAX = 6 };

@@ -246,9 +246,8 @@ def fixed_capacity(n: int, max_seq_len: int, bucket: int = 256) -> int:
 
 
 PREFILL_ROWS = ops.MAX_ROWS  # a native prefill's pass where a product keeps its rows' sums on its stack
-# where every product reads fp32 panels (any number of rows): a pass's most rows (its work buffers,
-# about 30 KB a row for SmolLM2). One pass of a 122-token prompt took two thirds of four 32-row passes'
-# time, bit for bit the same numbers (each 32 rows read every weight again)
+# where every product reads fp32 panels (any number of rows): a pass's most rows, which bounds its work
+# buffers (about 30 KB a row for SmolLM2); fewer passes read the weights fewer times, with the same bits
 PANEL_PREFILL_ROWS = 256
 
 
