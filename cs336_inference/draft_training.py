@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from .distill import load_checkpoint, lr_at, save_checkpoint
-from .draft_head import DraftHead
+from .draft_head import DraftHead, load_draft_head
 from .model import TransformerLM
 
 Log = Callable[[str], None]
@@ -181,6 +181,17 @@ def training_windows(data: dict[str, Tensor], T: int) -> Int[Tensor, "M 2"]:
 
 
 # ------------------------------------------------------------------ 3. training
+def continued_head(folder: str | Path, target: TransformerLM, vocab: Int[Tensor, " Vd"] | None) -> DraftHead:
+    """The head saved in folder, attached to target, to train on: ValueError (one line) where it reads
+    out another draft vocabulary than `vocab` (the one this data gives), which would mislabel every
+    token."""
+    head = load_draft_head(folder, target)
+    ids = None if head.vocab_ids is None else head.vocab_ids.cpu()
+    if (ids is None) != (vocab is None) or (vocab is not None and not torch.equal(ids, vocab.cpu())):
+        raise ValueError(f"the draft head in {folder} was trained with another draft vocabulary")
+    return head
+
+
 @dataclass
 class DraftSettings:
     steps: int = 1000

@@ -2,6 +2,7 @@
 
     python scripts/train_draft.py                       # 80-110 minutes on 2 cores, into runs/draft-head
     python scripts/train_draft.py --prompts 64 --steps 50 --out /tmp/head   # a quick trial
+    python scripts/train_draft.py --init runs/draft-head --steps 4000 --lr 3e-4   # 35-45 more minutes
 
 1. chat prompts cut from CPython's pydoc topics (every 10th topic held out; --tasks tasks for each
    paragraph or code example) and general chat requests (--general: everyday topics, programming
@@ -14,7 +15,9 @@
    held-out topics' answers is printed at every evaluation.
 Every stage keeps what is already on disk, so an interrupted command goes on where it stopped. The head
 is saved as runs/draft-head/draft_head.safetensors + draft_head.json, where `generate.py --draft head`
-and `benchmark.py speculative --drafts head` look for it.
+and `benchmark.py speculative --drafts head` look for it. --init trains a saved head further on the same
+answers, with a fresh optimizer and learning-rate schedule (checkpoints in work/checkpoint-init/), and
+saves it over --out (docs/speculative.md: what 4,000 more steps gave).
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ def parse_args(argv):
     p.add_argument("--max-new-tokens", type=int, default=128, help="answer length cap")
     p.add_argument(
         "--vocab", type=int, default=8192, help="draft vocabulary: the most frequent tokens (0: all)"
+    )
+    p.add_argument(
+        "--init", type=Path, help="continue the head saved in this folder (fresh optimizer and schedule)"
     )
     p.add_argument("--steps", type=int, default=5000)
     p.add_argument("--batch-size", type=int, default=8)
@@ -147,7 +153,15 @@ def main(argv=None) -> int:
         summary.append(
             f"draft vocabulary: the {len(vocab)} most frequent argmax tokens ({covered:.1%} of the held-out ones)"
         )
-    head = DraftHead(target.config, vocab).attach(target)
+    if args.init:
+        try:
+            head = dt.continued_head(args.init, target, vocab)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        summary.append(f"continued from the head in {args.init} (fresh optimizer and schedule)")
+    else:
+        head = DraftHead(target.config, vocab).attach(target)
     bf16 = args.precision == "bf16" or (args.precision == "auto" and dt.cpu_has_bf16())
     precision = "bfloat16 autocast" if bf16 else "float32"
     summary.append(f"training passes in {precision}, {args.steps} steps of {args.batch_size} windows")
@@ -157,8 +171,9 @@ def main(argv=None) -> int:
         else "losses at the answers' tokens, against the target's argmax"
     )
     log(f"3. training the head ({sum(p.numel() for p in head.parameters()):,} parameters, {precision})")
+    checkpoints = work / ("checkpoint-init" if args.init else "checkpoint")  # --init: not the first run's
     history = dt.train_draft_head(
-        head, data["train"], data["held"], work / "checkpoint", log=log, steps=args.steps,
+        head, data["train"], data["held"], checkpoints, log=log, steps=args.steps,
         batch_size=args.batch_size, T=args.window, lr=args.lr, unroll=args.unroll,
         eval_every=args.eval_every, seed=args.seed, w_token=args.w_token, bf16=bf16,
         every_position=args.positions == "all",

@@ -574,6 +574,40 @@ def test_draft_training_learns_on_a_tiny_target(tmp_path, precision):
         assert not torch.equal(heads[0].fc.weight, heads[1].fc.weight), "bf16=True trained as float32 does"
 
 
+def test_a_saved_head_trains_on_from_where_it_stopped(tmp_path):
+    """continued_head (train_draft.py --init): the saved head comes back with its weights, so a fresh
+    schedule's first evaluation reads the saved head's held-out acceptance, and its training moves
+    those weights; a head saved with another draft vocabulary than the data's is refused in one line."""
+    from cs336_inference import draft_training as dt
+
+    target = tiny_model("gqa")
+    for p in target.parameters():
+        p.requires_grad_(False)
+    prompts = [prompt(4, s).tolist() for s in range(24)]
+    data = dt.load_features([dt.save_chunk(dt.answer_with_features(target, prompts, 24, log=lambda m: None),
+                                           tmp_path / "answers.st")])  # fmt: skip
+    vocab = torch.arange(0, 64, 2)
+    torch.manual_seed(0)
+    head = DraftHead(target.config, vocab).attach(target)
+    settings = dict(batch_size=8, T=16, lr=3e-3, warmup=5, eval_every=40, unroll=2)
+    first = dt.train_draft_head(head, data, data, tmp_path / "ck", progress=False, log=lambda m: None,
+                                steps=40, **settings)  # fmt: skip
+    save_draft_head(head, tmp_path / "head")
+    again = dt.continued_head(tmp_path / "head", target, vocab)
+    for (name, a), (_, b) in zip(head.state_dict().items(), again.state_dict().items(), strict=True):
+        assert torch.equal(a, b), f"continued_head changed {name}"
+    more = dt.train_draft_head(again, data, data, tmp_path / "ck-init", progress=False, log=lambda m: None,
+                               steps=10, **{**settings, "eval_every": 10})  # fmt: skip
+    assert more[0]["accept_depth1"] == first[-1]["accept_depth1"], (
+        f"a continued head's first evaluation {more[0]} is not where the saved one stopped {first[-1]}"
+    )
+    assert not torch.equal(again.fc.weight, head.fc.weight), "the continued head did not train"
+    for other in (torch.arange(1, 64, 2), None):
+        with pytest.raises(ValueError, match="another draft vocabulary") as e:
+            dt.continued_head(tmp_path / "head", target, other)
+        assert "\n" not in str(e.value)
+
+
 # ------------------------------------------------------------------ the fast path's tree pass
 @pytest.mark.parametrize("mode", ["eager", "native"])
 @pytest.mark.parametrize("variant", ["gqa", "mha"])
