@@ -2,7 +2,7 @@
 
     python scripts/train_draft.py                       # 80-110 minutes on 2 cores, into runs/draft-head
     python scripts/train_draft.py --prompts 64 --steps 50 --out /tmp/head   # a quick trial
-    python scripts/train_draft.py --init runs/draft-head --steps 4000 --lr 3e-4   # 35-45 more minutes
+    python scripts/train_draft.py --init runs/draft-head --steps 4000 --lr 3e-4   # about 35 more minutes
 
 1. chat prompts cut from CPython's pydoc topics (every 10th topic held out; --tasks tasks for each
    paragraph or code example) and general chat requests (--general: everyday topics, programming
