@@ -576,9 +576,16 @@ def run_kernels(args: argparse.Namespace) -> dict:
     if args.passes:  # whole native T-token passes of SmolLM2, T = the --rows values
         from cs336_inference.io.checkpoint import default_model_path, load_pretrained
 
+        contexts = numbers(args.context, "--context")
+        if not contexts or min(contexts) < 1:
+            raise BenchmarkError(f"--context takes token counts >= 1, got {args.context!r}")
         model = install(load_pretrained(default_model_path()))
+        if max(contexts) + max(rows) > model.config.max_seq_len:
+            raise BenchmarkError(
+                f"--context: at most {model.config.max_seq_len - max(rows)} tokens with these --rows"
+            )
         result = kernels_ab.compare_passes(
-            args.base, model, args.formats.split(","), rows, args.rounds, log=log
+            args.base, model, args.formats.split(","), rows, args.rounds, contexts, log=log
         )
         result["table"] = kernels_ab.format_passes(result)
         return result
@@ -644,6 +651,11 @@ def main(argv: list[str] | None = None) -> int:
         "--passes",
         action="store_true",
         help="time whole native T-token passes of SmolLM2 (T = the --rows values) instead of the products",
+    )
+    ker.add_argument(
+        "--context",
+        default="32",
+        help="with --passes: tokens already in the cache before each pass, one or more (attention reads them)",
     )
     ker.add_argument("--out", type=Path, help="write the results as JSON here")
     spec = sub.add_parser("speculative", help="speculative decoding: alpha, tokens/pass, speedup vs k")

@@ -227,13 +227,14 @@ def test_comparing_kernel_builds_on_native_passes_times_both_per_t():
         pytest.skip("needs the kernels built and their sources unchanged from HEAD")
     model, _ = _one_layer_model_with_kernels()
     r = kernels_ab.compare_passes(
-        "HEAD", model, ("fp32", "q4_0"), (1, 3), 2, prompt_len=8, log=lambda _: None
+        "HEAD", model, ("fp32", "q4_0"), (1, 3), 2, contexts=(8, 20), log=lambda _: None
     )
-    assert [(x["format"], x["T"]) for x in r["results"]] == [(f, T) for f in ("fp32", "q4_0") for T in (1, 3)]
+    want = [(f, c, T) for f in ("fp32", "q4_0") for c in (8, 20) for T in (1, 3)]
+    assert [(x["format"], x["context"], x["T"]) for x in r["results"]] == want
     for x in r["results"]:
         assert x["base_ms"] > 0 and x["tree_ms"] > 0 and x["base_cost"] > 0, x
         assert x["same"], f"{x['format']} T={x['T']}: HEAD's build and the tree's gave different logits"
-    assert [x["tree_cost"] for x in r["results"] if x["T"] == 1] == [1.0, 1.0]
+    assert [x["tree_cost"] for x in r["results"] if x["T"] == 1] == [1.0] * 4
     assert "tree cost" in kernels_ab.format_passes(r)
 
 

@@ -406,6 +406,11 @@ def test_modes_are_checked_in_one_line():
 NATIVE_VARIANTS = {
     **{v: c for v, c in VARIANTS.items() if v != "cla"},
     "qkv_bias": dict(n_kv_heads=2, qkv_bias=True),
+    # heads of 64 and 128 (step.c's attention has compile-time shapes for them), three query heads a
+    # K/V head as SmolLM2's, and a window whose start differs between the rows of one pass
+    "h64": dict(d_model=192, n_heads=3, n_kv_heads=1),
+    "h64_sliding": dict(d_model=192, n_heads=3, n_kv_heads=1, sliding_window=5),
+    "h128": dict(d_model=256, n_heads=2, n_kv_heads=1),
 }
 
 
@@ -526,8 +531,9 @@ def test_the_native_step_runs_the_q8_0_activation_formats(fmt, T):
     assert 2 * close >= calls, f"{fmt} T={T}: {close} of {calls} calls match the cached forward to 1e-4"
 
 
-def test_the_native_step_keeps_left_padding():
-    _check_padding_mode(_native_model("gqa"), "native")
+@pytest.mark.parametrize("variant", ["gqa", "h64"])
+def test_the_native_step_keeps_left_padding(variant):
+    _check_padding_mode(_native_model(variant), "native")
 
 
 def _check_padding_mode(model, mode):
@@ -568,6 +574,13 @@ def test_a_native_verify_pass_gives_each_row_the_bits_of_one_token_steps(fmt, mo
     finally:
         if fmt.endswith("-amx"):
             build.reset()
+
+
+@pytest.mark.parametrize("variant", ["h64", "h128"])
+def test_a_native_verify_pass_of_wide_heads_gives_the_bits_of_one_token_steps(variant):
+    """step.c attends a pass's queries side by side (every row's heads of one K/V head): a row's bits
+    must still not depend on the other rows, at the head widths its attention is specialised for."""
+    _verify_pass_equals_single_steps(_native_model(variant), variant)
 
 
 def _verify_pass_equals_single_steps(model, fmt):

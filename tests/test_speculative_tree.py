@@ -610,7 +610,7 @@ def test_a_saved_head_trains_on_from_where_it_stopped(tmp_path):
 
 # ------------------------------------------------------------------ the fast path's tree pass
 @pytest.mark.parametrize("mode", ["eager", "native"])
-@pytest.mark.parametrize("variant", ["gqa", "mha"])
+@pytest.mark.parametrize("variant", ["gqa", "mha", "h64"])
 def test_fixed_step_tree_pass_equals_the_readable_one(mode, variant):
     """A tree pass as a fixed-shape step (step.c's cs336_layers_tree when native) gives the readable
     tree_forward's logits and features, and after keep_path the same cache; native passes of every
@@ -620,7 +620,8 @@ def test_fixed_step_tree_pass_equals_the_readable_one(mode, variant):
 
     if mode == "native" and build.library() is None:
         pytest.skip("the C kernels are not built here")
-    target = tiny_model(variant)
+    # h64: heads of 64, three a K/V head (SmolLM2's shape, which step.c's attention specialises)
+    target = tiny_model("mqa", d_model=192, n_heads=3) if variant == "h64" else tiny_model(variant)
     context = prompt(13, 2)
     tree = DraftTree(
         torch.tensor([int(context[-1]), 5, 9, 17, 33, 2, 40, 8]), torch.tensor([-1, 0, 0, 1, 2, 0, 3, 6])

@@ -144,21 +144,28 @@ def format_compare(r: dict) -> str:
 
 @torch.inference_mode()
 def compare_passes(
-    base: str, model, formats=("fp32",), sizes=(1, 5, 17), rounds: int = 9, prompt_len: int = 32, log=print
+    base: str,
+    model,
+    formats=("fp32",),
+    sizes=(1, 5, 17),
+    rounds: int = 9,
+    contexts=(32,),
+    log=print,
 ) -> dict:
     """Medians of `rounds` alternating rounds: one native T-token pass against a cache holding a
-    prompt, per format (the output matrix quantized too) and T, with cs336_layers from each build;
-    "same" says whether the two gave identical logits; "cost" is each build's pass over its T = 1."""
+    prompt of each length in `contexts` (attention reads that many keys per query), per format (the
+    output matrix quantized too) and T, with cs336_layers from each build; "same" says whether the two
+    gave identical logits; "cost" is each build's pass over its pass of sizes[0] at that context."""
     from cs336_inference.fast.step.fixed import FixedStep
     from cs336_inference.quantization import quantize_model
 
-    prompt = torch.randint(
-        0, model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)
-    )
     with tempfile.TemporaryDirectory() as tmp:
         libs = {"base": build_at(base, Path(tmp)), "tree": build.library()}
         results = []
-        for fmt in formats:
+        for fmt, prompt_len in [(f, c) for f in formats for c in contexts]:
+            prompt = torch.randint(
+                0, model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)
+            )
             m = model if fmt == "fp32" else quantize_model(model, fmt, quantize_head=True)
             medians = {}
             for T in sizes:
@@ -181,6 +188,7 @@ def compare_passes(
                 results.append(
                     {
                         "format": fmt,
+                        "context": prompt_len,
                         "T": T,
                         "base_ms": medians[T]["base"] * 1e3,
                         "tree_ms": medians[T]["tree"] * 1e3,
@@ -189,27 +197,36 @@ def compare_passes(
                     }
                 )
                 log(
-                    f"  {fmt} T={T}: base {medians[T]['base'] * 1e3:.2f} ms, tree {medians[T]['tree'] * 1e3:.2f} ms"
+                    f"  {fmt}, context {prompt_len}, T={T}: base {medians[T]['base'] * 1e3:.2f} ms, "
+                    f"tree {medians[T]['tree'] * 1e3:.2f} ms"
                 )
             for x in results:
-                if x["format"] == fmt:
+                if x["format"] == fmt and x["context"] == prompt_len:
                     x["base_cost"] = medians[x["T"]]["base"] / medians[sizes[0]]["base"]
                     x["tree_cost"] = medians[x["T"]]["tree"] / medians[sizes[0]]["tree"]
-    return {"base": base, "rounds": rounds, "sizes": list(sizes), "results": results}
+    return {
+        "base": base,
+        "rounds": rounds,
+        "sizes": list(sizes),
+        "contexts": list(contexts),
+        "results": results,
+    }
 
 
 def format_passes(r: dict) -> str:
     T0 = r["sizes"][0]
     lines = [
         f"native T-token passes, layers by the kernels at {r['base']} (base) and by the working tree (tree), "
-        f"median of {r['rounds']} alternating rounds; cost: the pass over the T = {T0} pass of the same build",
+        f"median of {r['rounds']} alternating rounds; cost: the pass over the T = {T0} pass of the same build "
+        "at the same context (tokens in the cache before the pass)",
         "",
-        f"{'format':8s}{'T':>4s}{'base ms':>10s}{'tree ms':>10s}{'tree/base':>11s}{'base cost':>11s}"
+        f"{'format':8s}{'context':>8s}{'T':>4s}{'base ms':>10s}{'tree ms':>10s}{'tree/base':>11s}{'base cost':>11s}"
         f"{'tree cost':>11s}  same bits",
     ]
     for x in r["results"]:
         lines.append(
-            f"{x['format']:8s}{x['T']:4d}{x['base_ms']:10.2f}{x['tree_ms']:10.2f}{x['ratio']:10.2f}x"
+            f"{x['format']:8s}{x.get('context', 32):8d}{x['T']:4d}{x['base_ms']:10.2f}{x['tree_ms']:10.2f}"
+            f"{x['ratio']:10.2f}x"
             f"{x['base_cost']:10.2f}x{x['tree_cost']:10.2f}x  {'yes' if x['same'] else 'no'}"
         )
     return "\n".join(lines)

@@ -96,6 +96,15 @@ static void rmsnorm(const float *x, const float *g, float *y, i64 M, i64 D, floa
     }
 }
 
+/* dot's arithmetic on 8 lanes: LOAD(v8f, p) reads 8 floats (v16f: 16), TREE8 adds a vector of dot's 8
+   partial sums as dot does (each lane's products and sums rounded as dot's scalars are: GCC's vector
+   types never reassociate). Macros, not functions: a vector returned by value changes the ABI of a
+   build without AVX-512 (which GCC warns about). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v16f __attribute__((vector_size(64)));
+#define LOAD(type, p) ({ type v_; memcpy(&v_, (p), sizeof v_); v_; })
+#define TREE8(a) ((((a)[0] + (a)[4]) + ((a)[1] + (a)[5])) + (((a)[2] + (a)[6]) + ((a)[3] + (a)[7])))
+
 /* x cos + rotate_half(x) sin in place, rotate_half(x) = (-x2, x1) (layers.apply_rope) */
 static void rope(float *x, const float *cos, const float *sin, i64 H) {
     i64 h2 = H / 2;
@@ -103,69 +112,6 @@ static void rope(float *x, const float *cos, const float *sin, i64 H) {
     memcpy(tmp, x, sizeof(float) * (size_t)H);
     for (i64 i = 0; i < h2; i++) x[i] = tmp[i] * cos[i] + (-tmp[i + h2]) * sin[i];
     for (i64 i = h2; i < H; i++) x[i] = tmp[i] * cos[i] + tmp[i - h2] * sin[i];
-}
-
-/* Key j is visible to a query at step qs of a row with pad left-padding steps unless it is padding,
-   and, in a tree pass (anc != ~0), unless it is a node of the tree (j >= base) that is not one of
-   the query's ancestors (bit j - base of anc; speculative_tree.tree_mask). */
-#define VISIBLE(j) (((j) >= pad || (j) == qs) && ((j) < base || ((anc >> ((j) - base)) & 1ULL)))
-
-/* one query row against its visible keys lo..qs (p: S scores of scratch, o: H outputs); inlined with
-   H a constant for the common head sizes, so the output row stays in registers across the keys */
-static inline __attribute__((always_inline)) void attend_row(const float *q, const float *k, const float *v, i64 lo,
-                                                             i64 qs, i64 pad, i64 base, unsigned long long anc,
-                                                             float scale, float *p, float *o, i64 H) {
-    float mx = -INFINITY;
-    for (i64 j = lo; j <= qs; j++) {
-        p[j] = VISIBLE(j) ? dot(q, k + j * H, H) * scale : -INFINITY;
-        if (p[j] > mx) mx = p[j];
-    }
-    for (i64 j = lo; j <= qs; j++) p[j] -= mx;
-    cs336_exp(p + lo, qs - lo + 1); /* decode.c's vector e^x */
-    float sum = 0.f;
-    for (i64 j = lo; j <= qs; j++) {
-        if (!VISIBLE(j)) p[j] = 0.f; /* not visible */
-        sum += p[j];
-    }
-    float acc[512]; /* H <= 512 (cs336_layers) */
-    for (i64 h = 0; h < H; h++) acc[h] = 0.f;
-    for (i64 j = lo; j <= qs; j++) {
-        float w = p[j] / sum;
-        const float *vj = v + j * H;
-        for (i64 h = 0; h < H; h++) acc[h] += w * vj[h];
-    }
-    memcpy(o, acc, sizeof(float) * (size_t)H);
-}
-
-/* out[m, n*H:(n+1)*H] = softmax(q k^T * scale over the visible keys) v for every row m = (b, t) and
-   query head n (K/V head n / (N/K)). Visible: step j <= the query's step, inside the window, and not
-   left padding (pad[b] > j) unless j is the query's own step (attention.attention_mask); with tree
-   (a tree pass: T <= 64 new steps from steps[0] on), also an ancestor of the query (bits of tree[t]). */
-static void attend(const i64 *dims, const float *qkv, const float *kc, const float *vc, i64 window,
-                   const i64 *steps, const i64 *pad, const i64 *tree, float scale, float *out) {
-    i64 B = dims[0], T = dims[1], N = dims[3], K = dims[4], H = dims[5], S = dims[7];
-    i64 QKV = (N + 2 * K) * H, tasks = B * T * N;
-    int threads = (int)dims[8];
-#pragma omp parallel num_threads(threads)
-    {
-        float *p = (float *)malloc(sizeof(float) * (size_t)S);
-#pragma omp for schedule(static)
-        for (i64 task = 0; task < tasks; task++) {
-            i64 m = task / N, n = task % N, b = m / T, t = m % T, g = n / (N / K), qs = steps[t];
-            const float *q = qkv + m * QKV + n * H, *k = kc + (b * K + g) * S * H, *v = vc + (b * K + g) * S * H;
-            i64 lo = window > 0 && qs - window + 1 > 0 ? qs - window + 1 : 0;
-            i64 base = tree ? steps[0] : INT64_MAX;
-            unsigned long long anc = tree ? (unsigned long long)tree[t] : ~0ULL;
-            float *o = out + m * N * H + n * H;
-            if (H == 64)
-                attend_row(q, k, v, lo, qs, pad[b], base, anc, scale, p, o, 64);
-            else if (H == 128)
-                attend_row(q, k, v, lo, qs, pad[b], base, anc, scale, p, o, 128);
-            else
-                attend_row(q, k, v, lo, qs, pad[b], base, anc, scale, p, o, H);
-        }
-        free(p);
-    }
 }
 
 /* Seconds spent per phase of cs336_layers while profiling is on (cs336_step_profile), summed over
@@ -191,13 +137,13 @@ static inline void phase(int k, double *t) {
 /* Paged attention of M rows (the new tokens of several sequences, flattened): row m is step
    pos[m] of its sequence, whose step j lives at slot keys[first[m] + j] of the K/V stores
    [slots, K, H] (serving/paged_attention.py's PagedKVCache; every row's keys already written).
-   Each row sees its own sequence's steps lo..pos[m], with the operations of attend_row in the same
+   Each row sees its own sequence's steps lo..pos[m], with the operations of attend_queries in the same
    order (so the numbers of a static cache holding those steps). The query heads that share a K/V
    head are done together, up to GROUP at once: each key and value row is read once for all of them
    (decode attention reads the cache, memory-bound like the products). A group's size and head width
    are compile-time constants for the common cases (attend_paged's switch), so its output rows stay
    in registers across the keys instead of being loaded and stored at every key, and the heads'
-   softmax sums run side by side (each in key order, as attend_row): a 16-request SmolLM2 engine
+   softmax sums run side by side (each in key order, as attend_queries): a 16-request SmolLM2 engine
    step spent 2.5 -> 2.1 ms in attention at 64-124 tokens of context and 10.5-11.2 -> 9.1-9.5 ms at
    400-460 (`cs336_step_profile`, alternated A/B runs, AMD EPYC Zen 5, 2 threads, 2026-11-26). */
 enum { GROUP = 8, AHEAD = 8 };
@@ -272,6 +218,171 @@ static void attend_paged(i64 M, i64 N, i64 K, i64 H, const float *qkv, const flo
                 attend_group(q, k, v, slot, lo, qs, heads, stride, S, scale, p, o, 128);
             else
                 attend_group(q, k, v, slot, lo, qs, heads, stride, S, scale, p, o, H);
+        }
+        free(p);
+    }
+}
+
+/* The static cache's attention: out[m, n*H:(n+1)*H] = softmax(q k^T * scale over the visible keys) v
+   for every row m = (b, t) and query head n (K/V head g = n / G, G = N / K). Visible: step j <= the
+   query's step qs, inside the window, and not left padding (pad[b] > j) unless j is the query's own
+   step (attention.attention_mask); with tree (a tree pass: T <= 64 new steps from steps[0] on), also
+   an ancestor of the query (bits of tree[t]).
+
+   Per query, in key order: the scores p_j = q . k_j * scale (dot), their max, p_j - max through
+   cs336_exp, the sum of the visible ones, then o = sum_j (p_j / sum) v_j. The queries that share a
+   K/V head (the T rows' G heads, up to QGROUP at a time) go side by side, so each key and value row
+   is read once for all of them: a verify pass of T rows reads the cache about as often as a one-token
+   step. A query adds exact zeros for the keys of the others that it does not see (its score -inf, its
+   weight 0), which leave its sums as they were, so every query's bits are those of attending alone,
+   whatever T or the group. */
+enum { QGROUP = 6 };
+typedef struct {
+    const float *q;
+    float *o;
+    i64 lo, qs;              /* its steps lo..qs */
+    unsigned long long anc;  /* its tree ancestors' bits (~0: no tree) */
+} Query;
+
+/* key j seen by query e: in its steps lo..qs, not padding (unless its own step), and in a tree pass
+   (anc != ~0) not a node of the tree (j >= base) other than one of its ancestors (bit j - base of
+   anc; speculative_tree.tree_mask) */
+#define SEES(e, j) ((j) >= qu[e].lo && (j) <= qu[e].qs && VIS(j, qu[e].qs, qu[e].anc))
+#define VIS(j, qs, anc) (((j) >= pad || (j) == (qs)) && ((j) < base || (((anc) >> ((j) - base)) & 1ULL)))
+
+/* E queries of one K/V head (k, v: its [S, H] rows; pad: the batch row's padding; base: the tree's first
+   step); p: E * S floats of scratch. Inlined with E and H constants for the common cases, so the E
+   output rows stay in registers across the keys. */
+static inline __attribute__((always_inline)) void attend_queries(const Query *qu, i64 E, const float *k,
+                                                                 const float *v, i64 pad, i64 base, float scale,
+                                                                 float *p, i64 S, i64 H) {
+    i64 lo = qu[0].lo, hi = qu[0].qs;
+    for (i64 e = 1; e < E; e++) {
+        lo = qu[e].lo < lo ? qu[e].lo : lo;
+        hi = qu[e].qs > hi ? qu[e].qs : hi;
+    }
+    /* keys every query sees (no test needed): from the last lo (and past the padding) to the first qs,
+       before the tree's nodes */
+    i64 all_lo = pad > lo ? pad : lo, all_hi = base - 1 < hi ? base - 1 : hi;
+    for (i64 e = 0; e < E; e++) {
+        all_lo = qu[e].lo > all_lo ? qu[e].lo : all_lo;
+        all_hi = qu[e].qs < all_hi ? qu[e].qs : all_hi;
+    }
+#define SEEN(e, j) (((j) >= all_lo && (j) <= all_hi) || SEES(e, j))
+    float mx[QGROUP], sum[QGROUP];
+    for (i64 e = 0; e < E; e++) mx[e] = -INFINITY;
+    for (i64 j = lo; j <= hi; j++) {
+        if (j + AHEAD <= hi) prefetch_row(k + (j + AHEAD) * H, H);
+        const float *kj = k + j * H;
+        float d[QGROUP];
+        if (H % 8 == 0) { /* dot's 8 partial sums, the E queries' chains side by side */
+            v8f a[QGROUP];
+            for (i64 e = 0; e < E; e++) a[e] = (v8f){0};
+            for (i64 i = 0; i < H; i += 8) {
+                v8f kv = LOAD(v8f, kj + i);
+                for (i64 e = 0; e < E; e++) a[e] = a[e] + LOAD(v8f, qu[e].q + i) * kv;
+            }
+            for (i64 e = 0; e < E; e++) d[e] = TREE8(a[e]);
+        } else {
+            for (i64 e = 0; e < E; e++) d[e] = dot(qu[e].q, kj, H);
+        }
+        for (i64 e = 0; e < E; e++) {
+            float x = SEEN(e, j) ? d[e] * scale : -INFINITY;
+            p[e * S + j] = x;
+            if (x > mx[e]) mx[e] = x;
+        }
+    }
+    for (i64 e = 0; e < E; e++) {
+        float *pe = p + e * S;
+        for (i64 j = lo; j <= hi; j++) pe[j] -= mx[e];
+        cs336_exp(pe + lo, hi - lo + 1);
+        for (i64 j = lo; j <= hi; j++)
+            if (!SEEN(e, j)) pe[j] = 0.f;
+        sum[e] = 0.f;
+    }
+    for (i64 j = lo; j <= hi; j++) /* each query's sum in key order; the queries' chains side by side */
+        for (i64 e = 0; e < E; e++) sum[e] += p[e * S + j];
+    if (H == 64) { /* the E output rows in 4 vectors of 16 each, in registers across the keys */
+        v16f acc[QGROUP][4];
+        for (i64 e = 0; e < E; e++)
+            for (int c = 0; c < 4; c++) acc[e][c] = (v16f){0};
+        for (i64 j = lo; j <= hi; j++) {
+            if (j + AHEAD <= hi) prefetch_row(v + (j + AHEAD) * H, H);
+            const float *vj = v + j * H;
+            v16f vr[4] = {LOAD(v16f, vj), LOAD(v16f, vj + 16), LOAD(v16f, vj + 32), LOAD(v16f, vj + 48)};
+            for (i64 e = 0; e < E; e++) {
+                float w = p[e * S + j] / sum[e];
+                v16f wv = (v16f){0} + w;
+                for (int c = 0; c < 4; c++) acc[e][c] = acc[e][c] + wv * vr[c];
+            }
+        }
+        for (i64 e = 0; e < E; e++) memcpy(qu[e].o, acc[e], sizeof(float) * 64);
+        return;
+    }
+    float acc[QGROUP * 512]; /* E * H <= QGROUP * 512 */
+    for (i64 i = 0; i < E * H; i++) acc[i] = 0.f;
+    for (i64 j = lo; j <= hi; j++) {
+        if (j + AHEAD <= hi) prefetch_row(v + (j + AHEAD) * H, H);
+        const float *vj = v + j * H;
+        for (i64 e = 0; e < E; e++) {
+            float w = p[e * S + j] / sum[e], *ae = acc + e * H;
+            for (i64 h = 0; h < H; h++) ae[h] += w * vj[h];
+        }
+    }
+    for (i64 e = 0; e < E; e++) memcpy(qu[e].o, acc + e * H, sizeof(float) * (size_t)H);
+}
+#undef SEEN
+#undef SEES
+#undef VIS
+
+static void attend(const i64 *dims, const float *qkv, const float *kc, const float *vc, i64 window,
+                   const i64 *steps, const i64 *pad, const i64 *tree, float scale, float *out) {
+    i64 B = dims[0], T = dims[1], N = dims[3], K = dims[4], H = dims[5], S = dims[7];
+    i64 QKV = (N + 2 * K) * H, G = N / K, Q = T * G; /* a K/V head's queries: T rows x G heads */
+    int threads = (int)dims[8];
+    /* groups of at most QGROUP queries, and at least two tasks a thread where there are queries enough
+       (3 K/V heads and 2 threads: a one-token step's 3 queries a head go as 2 + 1) */
+    i64 chunks = (Q + QGROUP - 1) / QGROUP, want = (2 * threads + B * K - 1) / (B * K);
+    if (chunks < want) chunks = want < Q ? want : Q;
+    i64 C = (Q + chunks - 1) / chunks;
+    chunks = (Q + C - 1) / C;
+    i64 tasks = B * K * chunks;
+#pragma omp parallel num_threads(threads)
+    {
+        float *p = (float *)malloc(sizeof(float) * (size_t)(S * C));
+        Query qu[QGROUP];
+#pragma omp for schedule(static)
+        for (i64 task = 0; task < tasks; task++) {
+            i64 b = task / (K * chunks), g = task / chunks % K, c0 = task % chunks * C;
+            i64 E = Q - c0 < C ? Q - c0 : C;
+            for (i64 e = 0; e < E; e++) {
+                i64 t = (c0 + e) / G, n = g * G + (c0 + e) % G, m = b * T + t, qs = steps[t];
+                qu[e] = (Query){qkv + m * QKV + n * H, out + m * N * H + n * H,
+                                window > 0 && qs - window + 1 > 0 ? qs - window + 1 : 0, qs,
+                                tree ? (unsigned long long)tree[t] : ~0ULL};
+            }
+            const float *k = kc + (b * K + g) * S * H, *v = vc + (b * K + g) * S * H;
+            i64 base = tree ? steps[0] : INT64_MAX;
+#define ATTEND(E_, H_) attend_queries(qu, E_, k, v, pad[b], base, scale, p, S, H_)
+            if (H == 64) {
+                switch (E) {
+                case 1: ATTEND(1, 64); break;
+                case 2: ATTEND(2, 64); break;
+                case 3: ATTEND(3, 64); break;
+                case 4: ATTEND(4, 64); break;
+                case 5: ATTEND(5, 64); break;
+                default: ATTEND(6, 64);
+                }
+            } else if (H == 128) {
+                switch (E) {
+                case 1: ATTEND(1, 128); break;
+                case 2: ATTEND(2, 128); break;
+                default: ATTEND(E, 128);
+                }
+            } else {
+                ATTEND(E, H);
+            }
+#undef ATTEND
         }
         free(p);
     }
