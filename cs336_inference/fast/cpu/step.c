@@ -104,6 +104,12 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef float v16f __attribute__((vector_size(64)));
 #define LOAD(type, p) ({ type v_; memcpy(&v_, (p), sizeof v_); v_; })
 #define TREE8(a) ((((a)[0] + (a)[4]) + ((a)[1] + (a)[5])) + (((a)[2] + (a)[6]) + ((a)[3] + (a)[7])))
+/* TREE8 of four vectors a[0..3] at once, as one vector of their four sums: the same additions, lane by
+   lane (halves, then pairs, then pairs of pairs), with shuffles instead of one horizontal sum each */
+typedef float v4f __attribute__((vector_size(16)));
+#define HALVES(x) (__builtin_shufflevector((x), (x), 0, 1, 2, 3) + __builtin_shufflevector((x), (x), 4, 5, 6, 7))
+#define PAIRS(x, y) (__builtin_shufflevector((x), (y), 0, 2, 4, 6) + __builtin_shufflevector((x), (y), 1, 3, 5, 7))
+#define TREE4(a) PAIRS(PAIRS(HALVES((a)[0]), HALVES((a)[1])), PAIRS(HALVES((a)[2]), HALVES((a)[3])))
 
 /* x cos + rotate_half(x) sin in place, rotate_half(x) = (-x2, x1) (layers.apply_rope) */
 static void rope(float *x, const float *cos, const float *sin, i64 H) {
@@ -271,7 +277,32 @@ static inline __attribute__((always_inline)) void attend_queries(const Query *qu
 #define SEEN(e, j) (((j) >= all_lo && (j) <= all_hi) || SEES(e, j))
     float mx[QGROUP], sum[QGROUP];
     for (i64 e = 0; e < E; e++) mx[e] = -INFINITY;
-    for (i64 j = lo; j <= hi; j++) {
+    i64 j = lo;
+    if (H % 8 == 0) /* four keys at a time: each query's 8 partial sums of each, their trees as one vector */
+        for (; j + 3 <= hi; j += 4) {
+            if (j + AHEAD + 3 <= hi)
+                for (int c = 0; c < 4; c++) prefetch_row(k + (j + AHEAD + c) * H, H);
+            v8f a[QGROUP][4];
+            for (i64 e = 0; e < E; e++)
+                for (int c = 0; c < 4; c++) a[e][c] = (v8f){0};
+            for (i64 i = 0; i < H; i += 8) {
+                v8f kv[4];
+                for (int c = 0; c < 4; c++) kv[c] = LOAD(v8f, k + (j + c) * H + i);
+                for (i64 e = 0; e < E; e++) {
+                    v8f qv = LOAD(v8f, qu[e].q + i);
+                    for (int c = 0; c < 4; c++) a[e][c] = a[e][c] + qv * kv[c];
+                }
+            }
+            for (i64 e = 0; e < E; e++) {
+                v4f d = TREE4(a[e]) * scale;
+                for (int c = 0; c < 4; c++) {
+                    float x = SEEN(e, j + c) ? d[c] : -INFINITY;
+                    p[e * S + j + c] = x;
+                    if (x > mx[e]) mx[e] = x;
+                }
+            }
+        }
+    for (; j <= hi; j++) { /* the keys left */
         if (j + AHEAD <= hi) prefetch_row(k + (j + AHEAD) * H, H);
         const float *kj = k + j * H;
         float d[QGROUP];
