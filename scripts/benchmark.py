@@ -645,7 +645,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ker.add_argument("--base", default="HEAD", help="git revision whose kernel sources are the baseline")
     ker.add_argument("--formats", default=",".join(("fp32", "int8", "int4", "q8_0", "q4_0", "q4_1")))
-    ker.add_argument("--rows", default="1,2,5,9,17", help="rows of x per product (1..32)")
+    ker.add_argument(
+        "--rows", default="1,2,5,9,17", help="rows of x per product (1..32); with --passes, tokens per pass"
+    )
     ker.add_argument("--rounds", type=int, default=9, help="alternating timed rounds (median)")
     ker.add_argument(
         "--passes",

@@ -165,7 +165,8 @@ def compare_passes(
         for fmt, prompt_len in [(f, c) for f in formats for c in contexts]:
             g = torch.Generator().manual_seed(0)
             prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g)
-            fed = torch.randint(0, model.config.vocab_size, (1, max(sizes)), generator=g)  # the passes' tokens
+            # the passes' own tokens (a pass may be longer than the prompt)
+            fed = torch.randint(0, model.config.vocab_size, (1, max(sizes)), generator=g)
             m = model if fmt == "fp32" else quantize_model(model, fmt, quantize_head=True)
             medians = {}
             for T in sizes:
