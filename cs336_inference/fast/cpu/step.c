@@ -238,8 +238,8 @@ static void attend_paged(i64 M, i64 N, i64 K, i64 H, const float *qkv, const flo
    Per query, in key order: the scores p_j = q . k_j * scale (dot), their max, p_j - max through
    cs336_exp, the sum of the visible ones, then o = sum_j (p_j / sum) v_j. The queries that share a
    K/V head (the T rows' G heads, up to QGROUP at a time) go side by side, so each key and value row
-   is read once for all of them: a verify pass of T rows reads the cache about as often as a one-token
-   step. A query adds exact zeros for the keys of the others that it does not see (its score -inf, its
+   is read once for all of them: a verify pass reads the cache once per group of up to six queries
+   instead of once per query. A query adds exact zeros for the keys of the others that it does not see (its score -inf, its
    weight 0), which leave its sums as they were, so every query's bits are those of attending alone,
    whatever T or the group. */
 enum { QGROUP = 6 };
