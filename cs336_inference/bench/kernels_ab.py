@@ -162,49 +162,50 @@ def compare_passes(
     with tempfile.TemporaryDirectory() as tmp:
         libs = {"base": build_at(base, Path(tmp)), "tree": build.library()}
         results = []
-        for fmt, prompt_len in [(f, c) for f in formats for c in contexts]:
-            g = torch.Generator().manual_seed(0)
-            prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g)
-            # the passes' own tokens (a pass may be longer than the prompt)
-            fed = torch.randint(0, model.config.vocab_size, (1, max(sizes)), generator=g)
+        g = torch.Generator().manual_seed(0)
+        prompts = {c: torch.randint(0, model.config.vocab_size, (c,), generator=g) for c in contexts}
+        # the passes' own tokens (a pass may be longer than the prompt)
+        fed = torch.randint(0, model.config.vocab_size, (1, max(sizes)), generator=g)
+        for fmt in formats:
             m = model if fmt == "fp32" else quantize_model(model, fmt, quantize_head=True)
-            medians = {}
-            for T in sizes:
-                cache = m.new_cache(1, prompt_len + T + 1)
-                m(prompt[None], cache=cache)
-                step = FixedStep(m, cache, "native", T)
-                times: dict[str, list[float]] = {k: [] for k in libs}
-                logits = {}
-                for r in range(rounds + 1):  # round 0 warms both up
-                    for k in list(libs) if r % 2 else list(reversed(libs)):
-                        step.step.native.lib = libs[k]
-                        start = time.perf_counter()
-                        logits[k] = step(fed[:, :T]).clone()
-                        seconds = time.perf_counter() - start
-                        cache.truncate(prompt_len)
-                        if r:
-                            times[k].append(seconds)
-                medians[T] = {k: statistics.median(v) for k, v in times.items()}
-                same = torch.equal(logits["base"], logits["tree"])
-                results.append(
-                    {
-                        "format": fmt,
-                        "context": prompt_len,
-                        "T": T,
-                        "base_ms": medians[T]["base"] * 1e3,
-                        "tree_ms": medians[T]["tree"] * 1e3,
-                        "ratio": medians[T]["tree"] / medians[T]["base"],
-                        "same": same,
-                    }
-                )
-                log(
-                    f"  {fmt}, context {prompt_len}, T={T}: base {medians[T]['base'] * 1e3:.2f} ms, "
-                    f"tree {medians[T]['tree'] * 1e3:.2f} ms"
-                )
-            for x in results:
-                if x["format"] == fmt and x["context"] == prompt_len:
-                    x["base_cost"] = medians[x["T"]]["base"] / medians[sizes[0]]["base"]
-                    x["tree_cost"] = medians[x["T"]]["tree"] / medians[sizes[0]]["tree"]
+            for prompt_len in contexts:
+                prompt, medians = prompts[prompt_len], {}
+                for T in sizes:
+                    cache = m.new_cache(1, prompt_len + T + 1)
+                    m(prompt[None], cache=cache)
+                    step = FixedStep(m, cache, "native", T)
+                    times: dict[str, list[float]] = {k: [] for k in libs}
+                    logits = {}
+                    for r in range(rounds + 1):  # round 0 warms both up
+                        for k in list(libs) if r % 2 else list(reversed(libs)):
+                            step.step.native.lib = libs[k]
+                            start = time.perf_counter()
+                            logits[k] = step(fed[:, :T]).clone()
+                            seconds = time.perf_counter() - start
+                            cache.truncate(prompt_len)
+                            if r:
+                                times[k].append(seconds)
+                    medians[T] = {k: statistics.median(v) for k, v in times.items()}
+                    same = torch.equal(logits["base"], logits["tree"])
+                    results.append(
+                        {
+                            "format": fmt,
+                            "context": prompt_len,
+                            "T": T,
+                            "base_ms": medians[T]["base"] * 1e3,
+                            "tree_ms": medians[T]["tree"] * 1e3,
+                            "ratio": medians[T]["tree"] / medians[T]["base"],
+                            "same": same,
+                        }
+                    )
+                    log(
+                        f"  {fmt}, context {prompt_len}, T={T}: base {medians[T]['base'] * 1e3:.2f} ms, "
+                        f"tree {medians[T]['tree'] * 1e3:.2f} ms"
+                    )
+                for x in results:
+                    if x["format"] == fmt and x["context"] == prompt_len:
+                        x["base_cost"] = medians[x["T"]]["base"] / medians[sizes[0]]["base"]
+                        x["tree_cost"] = medians[x["T"]]["tree"] / medians[sizes[0]]["tree"]
     return {
         "base": base,
         "rounds": rounds,
@@ -226,7 +227,7 @@ def format_passes(r: dict) -> str:
     ]
     for x in r["results"]:
         lines.append(
-            f"{x['format']:8s}{x.get('context', 32):8d}{x['T']:4d}{x['base_ms']:10.2f}{x['tree_ms']:10.2f}"
+            f"{x['format']:8s}{x['context']:8d}{x['T']:4d}{x['base_ms']:10.2f}{x['tree_ms']:10.2f}"
             f"{x['ratio']:10.2f}x"
             f"{x['base_cost']:10.2f}x{x['tree_cost']:10.2f}x  {'yes' if x['same'] else 'no'}"
         )

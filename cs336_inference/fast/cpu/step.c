@@ -96,17 +96,16 @@ static void rmsnorm(const float *x, const float *g, float *y, i64 M, i64 D, floa
     }
 }
 
-/* dot's arithmetic on 8 lanes: LOAD(v8f, p) reads 8 floats (v16f: 16), TREE8 adds a vector of dot's 8
-   partial sums as dot does (each lane's products and sums rounded as dot's scalars are: GCC's vector
-   types never reassociate). Macros, not functions: a vector returned by value changes the ABI of a
-   build without AVX-512 (which GCC warns about). */
+/* dot's arithmetic on 8 lanes, for four dot products at once: LOAD(v8f, p) reads 8 floats (v16f: 16);
+   a[c] holds dot's 8 partial sums of product c (each lane's products and sums rounded as dot's
+   scalars are: GCC's vector types never reassociate), and TREE4(a) adds each as dot's fixed tree
+   does, the four results as one vector: the same additions, lane by lane (halves, then pairs, then
+   pairs of pairs), with shuffles instead of one horizontal sum each. Macros, not functions: a vector
+   returned by value changes the ABI of a build without AVX-512 (which GCC warns about). */
+typedef float v4f __attribute__((vector_size(16)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v16f __attribute__((vector_size(64)));
 #define LOAD(type, p) ({ type v_; memcpy(&v_, (p), sizeof v_); v_; })
-#define TREE8(a) ((((a)[0] + (a)[4]) + ((a)[1] + (a)[5])) + (((a)[2] + (a)[6]) + ((a)[3] + (a)[7])))
-/* TREE8 of four vectors a[0..3] at once, as one vector of their four sums: the same additions, lane by
-   lane (halves, then pairs, then pairs of pairs), with shuffles instead of one horizontal sum each */
-typedef float v4f __attribute__((vector_size(16)));
 #define HALVES(x) (__builtin_shufflevector((x), (x), 0, 1, 2, 3) + __builtin_shufflevector((x), (x), 4, 5, 6, 7))
 #define PAIRS(x, y) (__builtin_shufflevector((x), (y), 0, 2, 4, 6) + __builtin_shufflevector((x), (y), 1, 3, 5, 7))
 #define TREE4(a) PAIRS(PAIRS(HALVES((a)[0]), HALVES((a)[1])), PAIRS(HALVES((a)[2]), HALVES((a)[3])))
@@ -305,20 +304,8 @@ static inline __attribute__((always_inline)) void attend_queries(const Query *qu
     for (; j <= hi; j++) { /* the keys left */
         if (j + AHEAD <= hi) prefetch_row(k + (j + AHEAD) * H, H);
         const float *kj = k + j * H;
-        float d[QGROUP];
-        if (H % 8 == 0) { /* dot's 8 partial sums, the E queries' chains side by side */
-            v8f a[QGROUP];
-            for (i64 e = 0; e < E; e++) a[e] = (v8f){0};
-            for (i64 i = 0; i < H; i += 8) {
-                v8f kv = LOAD(v8f, kj + i);
-                for (i64 e = 0; e < E; e++) a[e] = a[e] + LOAD(v8f, qu[e].q + i) * kv;
-            }
-            for (i64 e = 0; e < E; e++) d[e] = TREE8(a[e]);
-        } else {
-            for (i64 e = 0; e < E; e++) d[e] = dot(qu[e].q, kj, H);
-        }
         for (i64 e = 0; e < E; e++) {
-            float x = SEEN(e, j) ? d[e] * scale : -INFINITY;
+            float x = SEEN(e, j) ? dot(qu[e].q, kj, H) * scale : -INFINITY;
             p[e * S + j] = x;
             if (x > mx[e]) mx[e] = x;
         }
