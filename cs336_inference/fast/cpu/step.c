@@ -238,9 +238,9 @@ static void attend_paged(i64 M, i64 N, i64 K, i64 H, const float *qkv, const flo
    cs336_exp, the sum of the visible ones, then o = sum_j (p_j / sum) v_j. The queries that share a
    K/V head (the T rows' G heads, up to QGROUP at a time) go side by side, so each key and value row
    is read once for all of them: a verify pass reads the cache once per group of up to six queries
-   instead of once per query. A query adds exact zeros for the keys of the others that it does not see (its score -inf, its
-   weight 0), which leave its sums as they were, so every query's bits are those of attending alone,
-   whatever T or the group. */
+   instead of once per query. A query adds exact zeros for the keys of the others that it does not
+   see (its score -inf, its weight 0), which leave its sums as they were, so every query's bits are
+   those of attending alone, whatever T or the group. */
 enum { QGROUP = 6 };
 typedef struct {
     const float *q;
