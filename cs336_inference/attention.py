@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from .config import ModelConfig
 from .kv_cache import KVCache, RingKVCache
-from .layers import Linear, RMSNorm, apply_rope, interleaved_to_half
+from .layers import Linear, RMSNorm, apply_partial_rope, apply_rope, interleaved_to_half
 
 
 def causal_mask(q_steps: Int[Tensor, " T"], k_steps: Int[Tensor, " S"]) -> Bool[Tensor, "T S"]:
@@ -113,6 +113,7 @@ class ForwardContext:
     paged: Any = None  # serving.paged_attention.PagedBatch: K/V in paged blocks, attention per sequence
     tree: Bool[Tensor, "T n"] | None = None  # tree drafts: steps tree_start.. are tree nodes (see mask)
     tree_start: int = 0
+    local_rope: tuple[Tensor, Tensor] | None = None  # (cos, sin) of sliding layers with their own base
 
     def mask(self, steps: Tensor, window: int | None, store) -> Tensor | None:
         """The mask for these key steps, built once per forward for each kind of layer.
@@ -149,13 +150,19 @@ class Attention(nn.Module):
         self.layer, self.owner = layer, cfg.kv_owner(layer)
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.window = cfg.layer_window(layer)
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attn_scale
+        # Gemma 3's sliding layers rotate with their own base (ctx.local_rope)
+        self.local_rope = cfg.layer_rope_theta(layer) != cfg.rope_theta
         D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.q_proj = Linear(D, N * H, bias=cfg.qkv_bias)
         if self.owner == layer:  # CLA: only the first layer of a group projects keys and values
             self.k_proj = Linear(D, K * H, bias=cfg.qkv_bias)
             self.v_proj = Linear(D, K * H, bias=cfg.qkv_bias)
         self.o_proj = Linear(N * H, D)
+        if cfg.qk_norm:  # Qwen3, Gemma 3: each head's queries and keys RMS-normalized before RoPE
+            self.q_norm = RMSNorm(H, cfg.rms_norm_eps)
+            if self.owner == layer:
+                self.k_norm = RMSNorm(H, cfg.rms_norm_eps)
 
     def forward(self, x: Float[Tensor, "B T D"], ctx: ForwardContext) -> Float[Tensor, "B T D"]:
         """Attention output for the T tokens of x (before the residual add).
@@ -165,9 +172,9 @@ class Attention(nn.Module):
         (k, v, steps) its owner `cfg.kv_owner(layer)` recorded earlier in this forward pass.
         """
         H = self.head_dim
-        q = apply_rope(rearrange(self.q_proj(x), "b t (n h) -> b n t h", h=H), ctx.cos, ctx.sin)
+        q = self.rope(self.heads(self.q_proj(x), "q_norm"), ctx)
         if self.owner == self.layer:
-            k = apply_rope(rearrange(self.k_proj(x), "b t (k h) -> b k t h", h=H), ctx.cos, ctx.sin)
+            k = self.rope(self.heads(self.k_proj(x), "k_norm"), ctx)
             v = rearrange(self.v_proj(x), "b t (k h) -> b k t h", h=H)
         if ctx.paged is not None:  # serving: K/V live in paged blocks, each sequence attends over its own
             if self.owner == self.layer:
@@ -187,6 +194,22 @@ class Attention(nn.Module):
             k, v, steps = self.borrowed_kv(ctx)
         out = attend(q, k, v, ctx.mask(steps, self.window, store), self.scale)
         return self.o_proj(rearrange(out, "b n t h -> b t (n h)"))
+
+    def heads(self, x: Float[Tensor, "B T heads_H"], norm: str) -> Float[Tensor, "B heads T H"]:
+        """[B, T, heads * H] -> [B, heads, T, H], each head RMS-normalized where the model has QK-norm."""
+        x = rearrange(x, "b t (n h) -> b n t h", h=self.head_dim)
+        return getattr(self, norm)(x) if hasattr(self, norm) else x
+
+    def rope(self, x: Float[Tensor, "B heads T H"], ctx: ForwardContext) -> Float[Tensor, "B heads T H"]:
+        """Rotary embedding with this layer's angles (a sliding layer's own base where it has one);
+        the first R dims of each head rotate under partial rotary."""
+        if not self.local_rope:
+            return apply_partial_rope(x, ctx.cos, ctx.sin)
+        if ctx.local_rope is None:
+            raise ValueError(
+                f"layer {self.layer} rotates with its own base, but the context has no local_rope"
+            )
+        return apply_partial_rope(x, *ctx.local_rope)
 
     def borrowed_kv(
         self, ctx: ForwardContext

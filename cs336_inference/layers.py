@@ -1,4 +1,5 @@
-"""The building blocks of a Llama-style transformer: Linear, Embedding, RMSNorm, RoPE, SwiGLU.
+"""The building blocks of a Llama-style transformer: Linear, Embedding, RMSNorm, RoPE, SwiGLU (and
+the switches of other families: scaled and partial RoPE, GeGLU).
 
 Weights use the Hugging Face layout (a Linear's weight is [out, in], y = x W^T), so checkpoints
 load without transposes.
@@ -98,15 +99,93 @@ class RMSNorm(nn.Module):
         # END SOLUTION
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[Tensor, Tensor]:
+ROPE_SCALINGS = ("linear", "llama3", "yarn")  # rope_scaling["rope_type"] values rope_frequencies knows
+
+
+def rope_frequencies(
+    dim: int, theta: float, scaling: dict | None = None, freqs: list[float] | None = None
+) -> tuple[Float[Tensor, " R2"], float]:
+    """The inverse frequencies theta^(-2i/dim) of the dim rotated dimensions, and the factor that
+    multiplies cos and sin (1 except for YaRN).
+
+    Long-context checkpoints stretch the slow frequencies so that positions past the training length
+    look like ones the model saw (keys as in transformers' rope_parameters):
+      linear   every frequency divided by `factor` (positions squeezed factor times);
+      llama3   wavelengths longer than original_max_position_embeddings / low_freq_factor divided by
+               `factor`, shorter than .. / high_freq_factor kept, a smooth blend between (Llama 3.1+);
+      yarn     the same idea with a linear ramp over the dims between beta_fast and beta_slow rotations
+               in the original window, and cos and sin scaled by 0.1 ln(factor) + 1 (or attention_factor).
+    freqs: a GGUF file's rope_freqs tensor, which llama.cpp divides frequency i by.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if freqs is not None:
+        inv_freq = inv_freq / torch.tensor(freqs, dtype=torch.float32)
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    old_len = scaling["original_max_position_embeddings"]
+    if kind == "llama3":
+        low_wavelen = old_len / scaling["low_freq_factor"]
+        high_wavelen = old_len / scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - scaling["low_freq_factor"]) / (
+            scaling["high_freq_factor"] - scaling["low_freq_factor"]
+        )
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(inv_freq, dim, theta, factor, old_len, scaling)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_SCALINGS)})")
+
+
+def _yarn(inv_freq: Tensor, dim: int, theta: float, factor: float, old_len: int, scaling: dict):
+    """YaRN: frequencies that turn fewer than beta_slow times in the original window are divided by
+    factor, more than beta_fast times kept, a linear ramp between; cos and sin scaled by mscale."""
+
+    def mscale(s: float, m: float = 1.0) -> float:
+        return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def dim_of(rotations: float) -> float:  # the dim whose frequency turns this often in old_len steps
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide by factor)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, float(attention_factor)
+
+
+def rope_tables(
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    scaling: dict | None = None,
+    freqs: list[float] | None = None,
+) -> tuple[Tensor, Tensor]:
     """cos and sin of angle p * theta^(-2i/H) for positions p < max_seq_len, as [max_seq_len, H].
 
     Frequency i is used by dimensions i and i + H/2 (the rotate-half layout of Llama in HF).
+    head_dim is the number of rotated dims (R < H under partial rotary); scaling and freqs stretch
+    the frequencies of long-context checkpoints (`rope_frequencies`).
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    inv_freq, attention_factor = rope_frequencies(head_dim, theta, scaling, freqs)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+    if attention_factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
 def rotate_half(x: Float[Tensor, "... H"]) -> Float[Tensor, "... H"]:
@@ -132,6 +211,17 @@ def apply_rope(
     # END SOLUTION
 
 
+def apply_partial_rope(
+    x: Float[Tensor, "B heads T H"], cos: Float[Tensor, "B T R"], sin: Float[Tensor, "B T R"]
+) -> Float[Tensor, "B heads T H"]:
+    """`apply_rope` on the first R dims of each head, the other H - R passed through (partial rotary,
+    Phi-4-mini's partial_rotary_factor); plain apply_rope when R = H."""
+    R = cos.shape[-1]
+    if R == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat([apply_rope(x[..., :R], cos, sin), x[..., R:]], dim=-1)
+
+
 def interleaved_to_half(x: Float[Tensor, "... H"]) -> Float[Tensor, "... H"]:
     """Reorder dims (0, 1, 2, 3, ...) -> (0, 2, 4, ..., 1, 3, 5, ...).
 
@@ -155,3 +245,10 @@ class SwiGLU(nn.Module):
         # BEGIN SOLUTION swiglu
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         # END SOLUTION
+
+
+class GeGLU(SwiGLU):
+    """Gemma's gated MLP: W_down (gelu_tanh(W_gate x) * W_up x), GELU with the tanh approximation."""
+
+    def forward(self, x: Float[Tensor, "B T D"]) -> Float[Tensor, "B T D"]:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))

@@ -10,6 +10,8 @@ against a KV cache from `model.new_cache(...)` (prefill: T = prompt length; deco
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
@@ -18,7 +20,7 @@ from torch import Tensor, nn
 from .attention import MLA, Attention, ForwardContext
 from .config import ModelConfig
 from .kv_cache import KVCache, MLACache, RingKVCache, StaticKVCache
-from .layers import Embedding, Linear, RMSNorm, SwiGLU, rope_tables, skip_random_init
+from .layers import Embedding, GeGLU, Linear, RMSNorm, SwiGLU, rope_tables, skip_random_init
 
 
 def as_pad(pad, B: int, T: int, device: torch.device) -> Int[Tensor, " B"]:
@@ -42,10 +44,16 @@ class TransformerBlock(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
         self.attn = MLA(cfg, layer) if cfg.is_mla else Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
+        self.mlp = (GeGLU if cfg.mlp_act == "gelu_tanh" else SwiGLU)(cfg.d_model, cfg.d_ff)
+        if cfg.sandwich_norm:  # Gemma: the outputs of attention and MLP are normalized too
+            self.post_attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+            self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
 
     def forward(self, x: Float[Tensor, "B T D"], ctx: ForwardContext) -> Float[Tensor, "B T D"]:
         """Pre-norm residual block: x + attn(attn_norm(x)), then that + mlp(mlp_norm(that))."""
+        if hasattr(self, "post_attn_norm"):  # Gemma's sandwich: each branch's output normalized too
+            x = x + self.post_attn_norm(self.attn(self.attn_norm(x), ctx))
+            return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
         # BEGIN SOLUTION transformer_lm
         x = x + self.attn(self.attn_norm(x), ctx)
         return x + self.mlp(self.mlp_norm(x))
@@ -60,10 +68,16 @@ class TransformerLM(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size)
-        rope_dim = cfg.qk_rope_head_dim if cfg.is_mla else cfg.head_dim
-        cos, sin = rope_tables(rope_dim, cfg.max_seq_len, cfg.rope_theta)
+        rope_dim = cfg.qk_rope_head_dim if cfg.is_mla else cfg.rotary_dim
+        cos, sin = rope_tables(rope_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling, cfg.rope_freqs)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if cfg.rope_local_theta is not None:  # Gemma 3's sliding layers: plain RoPE with their own base
+            cos, sin = rope_tables(rope_dim, cfg.max_seq_len, cfg.rope_local_theta)
+            self.register_buffer("rope_cos_local", cos, persistent=False)
+            self.register_buffer("rope_sin_local", sin, persistent=False)
+        # Gemma multiplies the embeddings by sqrt(D), rounded to the model's dtype
+        self.embed_scale = math.sqrt(cfg.d_model) if cfg.embed_scale else None
 
     @classmethod
     def empty(
@@ -80,6 +94,25 @@ class TransformerLM(nn.Module):
         with skip_random_init(), torch.device(device):
             model = cls(config)
         return model.to(dtype=dtype)  # keeps each weight's strides (a no-op for float32)
+
+    def embed_tokens(self, ids: Int[Tensor, "B T"]) -> Float[Tensor, "B T D"]:
+        """The embedding rows of ids (times sqrt(D) where the family scales them, as Gemma does)."""
+        x = self.embed(ids)
+        if self.embed_scale is None:
+            return x
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)
+
+    def context(
+        self, q_steps: Int[Tensor, " T"], start: int, positions: Int[Tensor, "B T"], **kw
+    ) -> ForwardContext:
+        """The ForwardContext of one pass: the rotary angles of these positions (and of the sliding
+        layers' own base where the model has one), plus whatever kw sets (pad, cache, paged, tree)."""
+        local = None
+        if hasattr(self, "rope_cos_local"):
+            local = (self.rope_cos_local[positions], self.rope_sin_local[positions])
+        return ForwardContext(
+            q_steps, start, self.rope_cos[positions], self.rope_sin[positions], local_rope=local, **kw
+        )
 
     @property
     def vocab_weight(self) -> Tensor:
@@ -125,10 +158,8 @@ class TransformerLM(nn.Module):
             pad = as_pad(pad, B, T, input_ids.device)
         q_steps = torch.arange(start, start + T, device=input_ids.device)
         positions = q_steps[None] if pad is None else (q_steps[None] - pad[:, None]).clamp(min=0)
-        ctx = ForwardContext(
-            q_steps, start, self.rope_cos[positions], self.rope_sin[positions], pad=pad, cache=cache
-        )
-        x = self.embed(input_ids)
+        ctx = self.context(q_steps, start, positions, pad=pad, cache=cache)
+        x = self.embed_tokens(input_ids)
         for block in self.layers:
             x = block(x, ctx)
         if last_only:
@@ -156,9 +187,8 @@ class TransformerLM(nn.Module):
         positions = batch.positions
         if batch.max_position >= self.config.max_seq_len:
             raise ValueError(f"position {batch.max_position} is past max_seq_len={self.config.max_seq_len}")
-        cos, sin = self.rope_cos[positions][None], self.rope_sin[positions][None]
-        ctx = ForwardContext(positions, 0, cos, sin, paged=batch)
-        x = self.embed(input_ids[None])
+        ctx = self.context(positions, 0, positions[None], paged=batch)
+        x = self.embed_tokens(input_ids[None])
         for block in self.layers:
             x = block(x, ctx)
         if return_hidden:

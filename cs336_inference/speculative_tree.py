@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from .attention import ForwardContext
 from .kv_cache import KVCache, StaticKVCache
 from .model import TransformerLM
 from .nucleus import sample_row
@@ -131,10 +130,9 @@ def tree_forward(
         raise ValueError(f"KV cache full: {start} + {T} tree nodes > capacity {cache.capacity}")
     steps = torch.arange(start, start + T, device=ids.device)
     positions = start + tree_depths(tree.parents).to(ids.device)
-    ctx = ForwardContext(steps, start, model.rope_cos[positions][None], model.rope_sin[positions][None],
-                         pad=cache.pad, cache=cache, tree=tree_mask(tree.parents).to(ids.device),
-                         tree_start=start)  # fmt: skip
-    x = model.embed(ids)
+    ctx = model.context(steps, start, positions[None], pad=cache.pad, cache=cache,
+                        tree=tree_mask(tree.parents).to(ids.device), tree_start=start)  # fmt: skip
+    x = model.embed_tokens(ids)
     for block in model.layers:
         x = block(x, ctx)
     cache.pos = start + T

@@ -65,21 +65,93 @@ _HF_BLOCK = {
     "attn": "self_attn",
     "mlp": "mlp",
 }
+# Gemma's four norms per block: post_attention_layernorm is the one after attention there
+_HF_SANDWICH = {
+    "post_attn_norm": "post_attention_layernorm",
+    "mlp_norm": "pre_feedforward_layernorm",
+    "post_mlp_norm": "post_feedforward_layernorm",
+}
 _HF_MLA = {"kv_a_proj": "kv_a_proj_with_mqa", "kv_a_norm": "kv_a_layernorm", "q_a_norm": "q_a_layernorm"}
-_HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq")  # a buffer some older checkpoints saved
+# a buffer some older checkpoints saved; the vision tower of a multimodal Gemma 3 (we run its text)
+_HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq|(model\.)?(vision_tower|multi_modal_projector)\..*")
 
 
-def ours_to_hf(name: str) -> str:
-    """`layers.0.attn.kv_a_proj.weight` -> `model.layers.0.self_attn.kv_a_proj_with_mqa.weight`."""
+def ours_to_hf(name: str, sandwich: bool = False) -> str:
+    """`layers.0.attn.kv_a_proj.weight` -> `model.layers.0.self_attn.kv_a_proj_with_mqa.weight`.
+
+    sandwich: Gemma's names for a block's four norms (`mlp_norm` is `pre_feedforward_layernorm`)."""
     if name in _HF_TOP_LEVEL:
         return _HF_TOP_LEVEL[name]
     m = re.fullmatch(r"layers\.(\d+)\.(\w+)\.(\w+)(.*)", name)
-    if m is None or m.group(2) not in _HF_BLOCK:
+    blocks = {**_HF_BLOCK, **_HF_SANDWICH} if sandwich else _HF_BLOCK
+    if m is None or m.group(2) not in blocks:
         return name
     layer, module, child, rest = m.groups()
     if module == "attn":
         child = _HF_MLA.get(child, child)
-    return f"model.layers.{layer}.{_HF_BLOCK[module]}.{child}{rest}"
+    return f"model.layers.{layer}.{blocks[module]}.{child}{rest}"
+
+
+def hf_names(cfg: ModelConfig) -> Callable[[str], str]:
+    """Our state-dict name -> the name a file of this config uses (HF names, or ours for "cs336")."""
+    if not uses_hf_names(cfg):
+        return lambda name: name
+    return lambda name: ours_to_hf(name, cfg.sandwich_norm)
+
+
+# ------------------------------------------------------------------ families' own tensor layouts
+_MULTIMODAL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                        ("language_model.lm_head.", "lm_head."))  # fmt: skip
+_FUSED = re.compile(r"(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight")
+_GEMMA_NORM = re.compile(r".*norm\.weight")
+
+
+def hf_tensors_in(cfg: ModelConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A family's checkpoint in the layout our model reads, by HF names:
+
+    - Gemma 3 multimodal: the text tower's names (`model.language_model.*` -> `model.*`);
+    - Phi-3: the fused qkv_proj rows split into q_proj, k_proj, v_proj (N H, K H, K H rows) and
+      gate_up_proj into gate_proj, up_proj (F rows each);
+    - Gemma: RMSNorm scales by (1 + w), so its norm weights w become 1 + w (as llama.cpp's converter
+      stores them), and our RMSNorm stays x / rms(x) * g.
+    """
+    out: dict[str, Tensor] = {}
+    N, K, H, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    for name, t in tensors.items():
+        for old, new in _MULTIMODAL_PREFIXES if cfg.model_type == "gemma3_text" else ():
+            if name.startswith(old):
+                name = new + name[len(old) :]
+        m = _FUSED.fullmatch(name) if cfg.model_type == "phi3" else None
+        if m and m.group(2).endswith("qkv_proj") and t.shape[0] == (N + 2 * K) * H:
+            parts = zip(("q_proj", "k_proj", "v_proj"), t.split([N * H, K * H, K * H]), strict=True)
+            out.update({f"{m.group(1)}self_attn.{p}.weight": w for p, w in parts})
+        elif m and m.group(2).endswith("gate_up_proj") and t.shape[0] == 2 * F:
+            out.update(
+                {
+                    f"{m.group(1)}mlp.{p}.weight": w
+                    for p, w in zip(("gate_proj", "up_proj"), t.split(F), strict=True)
+                }
+            )
+        elif cfg.model_type == "gemma3_text" and _GEMMA_NORM.fullmatch(name):
+            out[name] = 1.0 + t.float()
+        else:
+            out[name] = t
+    return out
+
+
+def hf_tensors_out(cfg: ModelConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The inverse of hf_tensors_in (for save_pretrained): fused Phi-3 projections, Gemma's w = g - 1."""
+    out = dict(tensors)
+    if cfg.model_type == "phi3":
+        for i in range(cfg.n_layers):
+            p = f"model.layers.{i}."
+            qkv = [out.pop(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
+            out[f"{p}self_attn.qkv_proj.weight"] = torch.cat(qkv)
+            gate_up = [out.pop(f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
+            out[f"{p}mlp.gate_up_proj.weight"] = torch.cat(gate_up)
+    if cfg.model_type == "gemma3_text":
+        out = {n: (t - 1.0 if _GEMMA_NORM.fullmatch(n) else t) for n, t in out.items()}
+    return out
 
 
 def uses_hf_names(cfg: ModelConfig) -> bool:
@@ -209,8 +281,9 @@ def folder_config(folder: Path) -> ModelConfig:
 def _load_folder(folder: Path, dtype: torch.dtype, device: str | torch.device) -> TransformerLM:
     cfg = folder_config(folder)
     tensors = read_safetensors(folder)
-    names = ours_to_hf if uses_hf_names(cfg) else (lambda name: name)
-    return build_model(cfg, tensors, names, str(folder), dtype, device, ignore=_HF_IGNORED.fullmatch)
+    if uses_hf_names(cfg):
+        tensors = hf_tensors_in(cfg, tensors)
+    return build_model(cfg, tensors, hf_names(cfg), str(folder), dtype, device, ignore=_HF_IGNORED.fullmatch)
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device) -> TransformerLM:
@@ -255,10 +328,13 @@ def save_pretrained(model: TransformerLM, folder: str | os.PathLike) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     hf = model.config.to_hf()
     (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    names = ours_to_hf if hf["model_type"] != "cs336" else (lambda name: name)
+    own = hf["model_type"] == "cs336"
+    names = (lambda name: name) if own else hf_names(model.config)
     tensors = {
         names(name): t.detach().to("cpu").contiguous()
         for name, t in model.state_dict().items()
         if not (model.config.tie_embeddings and name == "lm_head.weight")
     }
+    if not own:
+        tensors = hf_tensors_out(model.config, tensors)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})

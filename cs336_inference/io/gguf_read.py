@@ -15,6 +15,8 @@ stores one or two fp16 numbers (a scale d, and for Q4_1 a minimum m) plus 32 sma
 
 In Q4_0 / Q4_1 byte j of a block holds weight j in its low nibble and weight j + 16 in its high one.
 So Q4_1 costs 20 bytes per 32 weights (5 bits per weight) instead of 128 bytes in float32.
+gguf_blocks.py reads the other formats of downloaded files: Q5_0, Q5_1, IQ4_NL and the K-quants
+(Q2_K .. Q6_K, Q8_K: super-blocks of 256 weights with a scale per sub-block), as "Q4_K_M" files hold.
 
 llama.cpp's converter also reorders the rows of the query and key projections: its rotary
 embedding rotates adjacent pairs (2j, 2j + 1), while Hugging Face checkpoints (and our model) rotate
@@ -37,6 +39,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from cs336_inference.config import ConfigError, ModelConfig
+from cs336_inference.io import gguf_blocks
 from cs336_inference.io.sources import CheckpointError
 
 QK = 32  # weights per block in the Q8_0 / Q4_0 / Q4_1 formats
@@ -49,6 +52,17 @@ BLOCK_FORMATS: dict[GGMLQuantizationType, tuple[int, int]] = {
     GGMLQuantizationType.Q8_0: (QK, 2 + QK),
     GGMLQuantizationType.Q4_0: (QK, 2 + QK // 2),
     GGMLQuantizationType.Q4_1: (QK, 2 + 2 + QK // 2),
+    # gguf_blocks.py: d (and m) fp16, a 5th bit per weight in 4 bytes, or IQ4_NL's table of 16 levels
+    GGMLQuantizationType.Q5_0: (QK, 2 + 4 + QK // 2),
+    GGMLQuantizationType.Q5_1: (QK, 2 + 2 + 4 + QK // 2),
+    GGMLQuantizationType.IQ4_NL: (QK, 2 + QK // 2),
+    # K-quants: super-blocks of 256 weights (gguf_blocks.QK_K), fp16 d (and dmin), sub-block scales
+    GGMLQuantizationType.Q2_K: (gguf_blocks.QK_K, 16 + 64 + 2 + 2),
+    GGMLQuantizationType.Q3_K: (gguf_blocks.QK_K, 32 + 64 + 12 + 2),
+    GGMLQuantizationType.Q4_K: (gguf_blocks.QK_K, 2 + 2 + 12 + 128),
+    GGMLQuantizationType.Q5_K: (gguf_blocks.QK_K, 2 + 2 + 12 + 32 + 128),
+    GGMLQuantizationType.Q6_K: (gguf_blocks.QK_K, 128 + 64 + 16 + 2),
+    GGMLQuantizationType.Q8_K: (gguf_blocks.QK_K, 4 + 256 + 2 * 16),
 }
 
 
@@ -82,6 +96,8 @@ def dequantize_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.nda
     if qtype == GGMLQuantizationType.Q4_1:
         d, m, qs = blocks[:, :2], blocks[:, 2:4], blocks[:, 4:]
         return _fp16(d) * _nibbles(qs) + _fp16(m)
+    if qtype in gguf_blocks.DEQUANTIZERS:  # Q5_0, Q5_1, IQ4_NL and the K-quants
+        return gguf_blocks.DEQUANTIZERS[qtype](blocks)
     raise CheckpointError(f"GGUF tensor type {qtype.name} is not supported ({supported_types()})")
 
 

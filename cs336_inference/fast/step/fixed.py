@@ -41,7 +41,6 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from cs336_inference.attention import ForwardContext
 from cs336_inference.fast import install
 from cs336_inference.fast.cpu import build, ops
 from cs336_inference.fast.step.fuse import fuse_siblings
@@ -132,12 +131,10 @@ class StaticDecodeStep:
         torch.add(self.pos, self.offsets, out=self.steps)
         at = self.steps if self.tree is None else self.pos + self.depth
         positions = (at[None] - self.pad[:, None]).clamp(min=0)
-        ctx = ForwardContext(
-            self.steps, 0, model.rope_cos[positions], model.rope_sin[positions], pad=self.pad, cache=self.view
-        )
+        ctx = model.context(self.steps, 0, positions, pad=self.pad, cache=self.view)
         if self.tree is not None:  # eager only (FixedShapes.tree refuses compile and graph modes)
             ctx.tree, ctx.tree_start = self.tree, int(self.pos)
-        x = model.embed(self.ids)
+        x = model.embed_tokens(self.ids)
         if self.native is not None:
             x = self.native(x, ctx.cos, ctx.sin, self.steps, self.pad, self.tree_bits)
         else:

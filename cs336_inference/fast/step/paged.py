@@ -90,7 +90,7 @@ class PagedStep:
         seq = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor([s.n for s in spans]))
         tables = pad_tables([s.block_table for s in spans])
         rows = torch.stack([batch.positions, batch.slots, seq])
-        x = model.embed(input_ids)
+        x = model.embed_tokens(input_ids)
         positions = batch.positions
         x = self.layers(x, model.rope_cos[positions], model.rope_sin[positions], rows, tables)
         if return_hidden:  # every row's features too, as the readable forward_paged gives them
