@@ -223,12 +223,19 @@ def check_args(args: argparse.Namespace) -> None:
     if args.prompt_arg is not None and args.prompt is not None:
         raise UsageError("give the prompt either as an argument or with --prompt, not both")
     if args.model is not None:
+        from cs336_inference.io.sources import MODEL_PACKAGES
+
         model = Path(args.model).expanduser()
         hub_like = (
             "/" in args.model and args.model.count("/") == 1 and not args.model.startswith((".", "/", "~"))
         )
-        if not model.exists() and not (hub_like and not args.model.endswith((".gguf", ".safetensors"))):
-            raise UsageError(f"--model: no such file or folder: {args.model}")
+        package = args.model.replace("_", "-") in MODEL_PACKAGES
+        if (
+            not model.exists()
+            and not package
+            and not (hub_like and not args.model.endswith((".gguf", ".safetensors")))
+        ):
+            raise UsageError(f"--model: no such file, folder or model package: {args.model}")
 
 
 def read_prompt(args: argparse.Namespace) -> str:

@@ -145,3 +145,31 @@ def test_unsupported_fields_are_one_line_naming_the_field(change, field):
         ModelConfig.from_hf({**base, **change})
     message = str(err.value)
     assert field in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("case", list(FAMILIES))
+@pytest.mark.parametrize("qtype", ["f32", "q8_0"])
+def test_gguf_export_then_import_gives_the_same_logits(case, qtype, tmp_path):
+    """Written in the family's llama.cpp architecture (gemma3's query scale 1/sqrt(H) as llama.cpp
+    assumes; llama3 scaling as a rope_freqs tensor), read back by our loader and by the gguf package."""
+    from gguf import GGUFReader
+
+    from cs336_inference.io.gguf_write import architecture, save_gguf
+    from cs336_inference.quantization import quantize_model
+
+    model = load_pretrained(REF / case)
+    if case.startswith("gemma3"):  # llama.cpp fixes the scale to 1/sqrt(H); the checkpoint's is 1/sqrt(20)
+        model.config.query_pre_attn_scalar = float(model.config.head_dim)
+        for block in model.layers:
+            block.attn.scale = model.config.attn_scale
+    path = save_gguf(model, tmp_path / "m.gguf", qtype=qtype)
+    arch = GGUFReader(path).fields["general.architecture"].contents()
+    assert arch == architecture(model.config) == {"gemma3_text": "gemma3"}.get(
+        model.config.model_type, model.config.model_type
+    )
+    back = load_pretrained(path)
+    want = model if qtype == "f32" else quantize_model(model, qtype)
+    ids = torch.from_numpy(reference(case)[0])
+    with torch.no_grad():
+        diff = (back(ids) - want(ids)).abs().max().item()
+    assert diff <= TOL, f"{case} {qtype}: GGUF round trip moved the logits by {diff:.2e}"

