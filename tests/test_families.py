@@ -164,8 +164,10 @@ def test_gguf_export_then_import_gives_the_same_logits(case, qtype, tmp_path):
             block.attn.scale = model.config.attn_scale
     path = save_gguf(model, tmp_path / "m.gguf", qtype=qtype)
     arch = GGUFReader(path).fields["general.architecture"].contents()
-    assert arch == architecture(model.config) == {"gemma3_text": "gemma3"}.get(
-        model.config.model_type, model.config.model_type
+    assert (
+        arch
+        == architecture(model.config)
+        == {"gemma3_text": "gemma3"}.get(model.config.model_type, model.config.model_type)
     )
     back = load_pretrained(path)
     want = model if qtype == "f32" else quantize_model(model, qtype)
