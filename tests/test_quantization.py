@@ -495,11 +495,13 @@ FORMULA = {  # bytes of one [O, I] weight in each method (group size 64 for int4
     "q8_0": lambda o, i: o * i // 32 * 34,
     "q4_0": lambda o, i: o * i // 32 * 18,
     "q4_1": lambda o, i: o * i // 32 * 20,
+    "q5_0": lambda o, i: o * i // 32 * 22,
 }
 FORMULA |= {f"{fmt}_a8": FORMULA[fmt] for fmt in ("int4", "q8_0", "q4_0")}  # the same bytes, x in Q8_0
 
 
-@pytest.mark.parametrize("method", METHODS)
+# the K-quants need rows of whole super-blocks of 256, wider than this tiny model (tests/test_kquants.py)
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("q4_k", "q6_k", "q4_k_m")])
 def test_quantize_model_bytes_equal_the_formula_and_logits_stay_close(method):
     model = tiny()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -519,7 +521,7 @@ def test_quantize_model_bytes_equal_the_formula_and_logits_stay_close(method):
     with torch.no_grad():
         ref, out = model(ids()), qmodel(ids())
     kl = F.kl_div(out.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1).mean()
-    four_bits = ("int4", "awq", "q4_0", "q4_1", "int4_a8", "q4_0_a8")
+    four_bits = ("int4", "awq", "q4_0", "q4_1", "q5_0", "int4_a8", "q4_0_a8")  # 4-5 bits per weight
     assert 0 < kl < (0.05 if method in four_bits else 0.005), f"{method}: KL {kl:.4g}"
 
 

@@ -2,12 +2,14 @@
 
     save_gguf(model, "out.gguf", qtype="q8_0", source="SmolLM2-135M-Instruct.Q4_1.gguf")
 
-qtype is the type of the matrices inside the blocks: "f32", "f16", "q8_0", "q4_0" or "q4_1".
+qtype is the type of the matrices inside the blocks: "f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0",
+"q4_k", "q6_k", or the mix "q4_k_m" (quantize.k_quant_mix: what llama.cpp's Q4_K_M files hold).
 Norm weights (1-d) are always float32, as llama.cpp keeps them.
 
 - A float model is first quantized with quantize_model(model, qtype) for the block types, so the
   file holds exactly the model that quantize_model builds (embedding and head stay float32 unless
-  quantize_head was asked for). Our Q8_0 / Q4_0 / Q4_1 bytes are llama.cpp's own.
+  quantize_head was asked for). Our Q8_0 / Q4_0 / Q4_1 / Q5_0 bytes are llama.cpp's own; the
+  K-quants follow its search for scales (kquants.py).
 - A quantized model is written as it is: its stored blocks go into the file byte for byte. Its
   layers must be in qtype's format (int8 / int4 / LLM.int8() / AWQ layers have no llama.cpp twin);
   "f32" / "f16" write any model dequantized.
@@ -50,7 +52,12 @@ QTYPES = {
     "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "q4_0": (GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
     "q4_1": (GGMLQuantizationType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
+    "q5_0": (GGMLQuantizationType.Q5_0, LlamaFileType.MOSTLY_Q5_0),
+    "q4_k": (GGMLQuantizationType.Q4_K, LlamaFileType.MOSTLY_Q4_K_S),
+    "q6_k": (GGMLQuantizationType.Q6_K, LlamaFileType.MOSTLY_Q6_K),
+    "q4_k_m": (GGMLQuantizationType.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),  # a mix (quantize.k_quant_mix)
 }
+MIXES = {"q4_k_m": ("q4_k", "q6_k", "q5_0", "q8_0")}  # the formats a mix's layers may be stored in
 COPIED_KEYS = ("tokenizer.", "general.name", "general.basename", "general.organization", "general.license")
 
 
@@ -120,13 +127,12 @@ def _matrices(model: nn.Module) -> dict[str, nn.Module]:
 
 def _tensor(module: nn.Module, qtype: str, name: str) -> tuple[np.ndarray, GGMLQuantizationType]:
     """What the file stores for one weight: (array, its GGML type); float arrays are [rows, cols]."""
-    ggml_type = QTYPES[qtype][0]
     if name.endswith(".bias"):
         return module.bias.detach().float().cpu().contiguous().numpy(), GGMLQuantizationType.F32
     layer = module.table if isinstance(module, QuantizedEmbedding) else module
     if isinstance(layer, QuantizedLinear):
-        if layer.fmt == qtype and not isinstance(layer, LLMInt8Linear):
-            return layer.qweight.detach().cpu().numpy(), ggml_type
+        if layer.fmt in MIXES.get(qtype, (qtype,)) and not isinstance(layer, LLMInt8Linear):
+            return layer.qweight.detach().cpu().numpy(), QTYPES[layer.fmt][0]
         if qtype not in ("f32", "f16"):
             kind = "llm_int8" if isinstance(layer, LLMInt8Linear) else layer.fmt
             raise ValueError(

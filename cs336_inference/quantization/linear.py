@@ -19,6 +19,9 @@ Formats (bytes for an [O, I] weight; G = I / group_size):
     q8_0   llama.cpp blocks [O, I/32 * 34]                          34/32 * I*O
     q4_0   llama.cpp blocks [O, I/32 * 18]                          18/32 * I*O
     q4_1   llama.cpp blocks [O, I/32 * 20]                          20/32 * I*O
+    q5_0   llama.cpp blocks [O, I/32 * 22]                          22/32 * I*O
+    q4_k   llama.cpp super-blocks [O, I/256 * 144]                  144/256 * I*O
+    q6_k   llama.cpp super-blocks [O, I/256 * 210]                  210/256 * I*O
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from cs336_inference.quantization import ggml_blocks
+from cs336_inference.quantization import ggml_blocks, kquants
 from cs336_inference.quantization.a8 import A8_FORMATS, a8_linear
 from cs336_inference.quantization.absmax import absmax_dequantize, absmax_quantize
 from cs336_inference.quantization.int4 import check_group_size, int4_dequantize, int4_quantize
@@ -57,7 +60,15 @@ class Format:
             return d_out * d_in + 4 * d_out
         if self.name == "int4":
             return d_out * d_in // 2 + 3 * d_out * (d_in // group_size)
-        return d_out * d_in // ggml_blocks.QK * ggml_blocks.BLOCK_BYTES[self.name]
+        weights, nbytes = block_layout(self.name)
+        return d_out * d_in // weights * nbytes
+
+
+def block_layout(fmt: str) -> tuple[int, int]:
+    """(weights, bytes) of one block of a llama.cpp format."""
+    if fmt in kquants.BLOCK:
+        return kquants.BLOCK[fmt]
+    return ggml_blocks.QK, ggml_blocks.BLOCK_BYTES[fmt]
 
 
 def _int8(w: Tensor, group_size: int | None) -> dict[str, Tensor]:
@@ -71,14 +82,15 @@ def _int4(w: Tensor, group_size: int | None) -> dict[str, Tensor]:
 
 
 def _block(fmt: str) -> tuple[Callable[[Tensor, int | None], dict[str, Tensor]], Callable[..., Tensor]]:
-    quantize, dequantize = getattr(ggml_blocks, f"{fmt}_quantize"), getattr(ggml_blocks, f"{fmt}_dequantize")
+    module = kquants if fmt in kquants.BLOCK else ggml_blocks
+    quantize, dequantize = getattr(module, f"{fmt}_quantize"), getattr(module, f"{fmt}_dequantize")
     return (lambda w, group_size: {"qweight": quantize(w)}), (lambda qweight: dequantize(qweight))
 
 
 FORMATS: dict[str, Format] = {
     "int8": Format("int8", _int8, lambda qweight, scale: absmax_dequantize(qweight, scale), None),
     "int4": Format("int4", _int4, lambda qweight, scale, zero: int4_dequantize(qweight, scale, zero), 64),
-    **{fmt: Format(fmt, *_block(fmt), None) for fmt in ("q8_0", "q4_0", "q4_1")},
+    **{fmt: Format(fmt, *_block(fmt), None) for fmt in ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k")},
 }
 
 
@@ -87,11 +99,14 @@ def check_format(fmt: str, d_in: int, group_size: int | None) -> int | None:
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantized format {fmt!r}; known: {', '.join(FORMATS)}")
     if FORMATS[fmt].default_group_size is None:
-        if group_size is not None and not (fmt.startswith("q") and group_size == ggml_blocks.QK):
-            where = f"blocks of {ggml_blocks.QK}" if fmt.startswith("q") else "one scale per row"
+        block = block_layout(fmt)[0] if fmt.startswith("q") else None
+        if group_size is not None and group_size != block:
+            where = f"blocks of {block}" if block else "one scale per row"
             raise ValueError(f"{fmt} has a fixed layout ({where}); group_size={group_size} does not apply")
-        if fmt.startswith("q"):
-            ggml_blocks.check_block_rows(d_in, fmt)
+        if block and d_in % block:
+            raise ValueError(
+                f"{fmt} needs rows that are whole blocks of {block}; the row width {d_in} is not"
+            )
         return None
     group_size = FORMATS[fmt].default_group_size if group_size is None else group_size
     check_group_size(d_in, group_size)

