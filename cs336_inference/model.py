@@ -68,16 +68,22 @@ class TransformerLM(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size)
+        self.init_rope()
+        # Gemma multiplies the embeddings by sqrt(D), rounded to the model's dtype
+        self.embed_scale = math.sqrt(cfg.d_model) if cfg.embed_scale else None
+
+    def init_rope(self) -> None:
+        """The rotary tables (buffers, not weights): cos and sin of every position's angles, and the
+        sliding layers' own where they rotate with another base (Gemma 3)."""
+        cfg = self.config
         rope_dim = cfg.qk_rope_head_dim if cfg.is_mla else cfg.rotary_dim
         cos, sin = rope_tables(rope_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling, cfg.rope_freqs)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        if cfg.rope_local_theta is not None:  # Gemma 3's sliding layers: plain RoPE with their own base
+        if cfg.rope_local_theta is not None:
             cos, sin = rope_tables(rope_dim, cfg.max_seq_len, cfg.rope_local_theta)
             self.register_buffer("rope_cos_local", cos, persistent=False)
             self.register_buffer("rope_sin_local", sin, persistent=False)
-        # Gemma multiplies the embeddings by sqrt(D), rounded to the model's dtype
-        self.embed_scale = math.sqrt(cfg.d_model) if cfg.embed_scale else None
 
     @classmethod
     def empty(

@@ -124,3 +124,48 @@ def test_q4_k_m_file_reads_back_as_the_quantized_model(tmp_path):
     ids = torch.randint(0, 300, (2, 17))
     with torch.no_grad():
         assert torch.equal(load_pretrained(path)(ids), q(ids))
+
+
+@pytest.mark.parametrize("case", ["llama3_rope", "qwen3_qk_norm", "phi3_fused", "gemma3_local_global"])
+def test_packed_gguf_keeps_the_files_blocks_and_gives_the_same_logits(case, tmp_path):
+    """load_pretrained(packed=True): the file's Q8_0 / K-quant rows as QuantizedLinears over its own bytes
+    (llama's permuted Q/K rows and Phi-3's fused ones cut as whole rows of blocks), the same logits as
+    the float model the default loader makes of the file."""
+    from cs336_inference.io.gguf_write import save_gguf
+    from cs336_inference.quantization import QuantizedEmbedding, QuantizedLinear
+
+    model = load_pretrained(f"reference_weights/{case}")
+    if case.startswith("gemma3"):
+        model.config.query_pre_attn_scalar = float(model.config.head_dim)  # what llama.cpp's gemma3 assumes
+        for block in model.layers:
+            block.attn.scale = model.config.attn_scale
+    path = save_gguf(quantize_model(model, "q8_0", quantize_head=True), tmp_path / "m.gguf", qtype="q8_0")
+    packed, unpacked = load_pretrained(path, packed=True), load_pretrained(path)
+    layers = [m for m in packed.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) >= 7 * model.config.n_layers and all(m.fmt == "q8_0" for m in layers)
+    assert isinstance(packed.embed, QuantizedEmbedding)
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids), unpacked(ids), atol=1e-5, rtol=0)
+
+
+def test_packed_q4_k_m_file_costs_its_size(tmp_path):
+    from cs336_inference.config import ModelConfig
+    from cs336_inference.io.gguf_write import save_gguf
+    from cs336_inference.model import TransformerLM
+    from cs336_inference.quantization import model_nbytes
+
+    torch.manual_seed(0)
+    model = TransformerLM(
+        ModelConfig(
+            vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=768, max_seq_len=64
+        )
+    )
+    path = save_gguf(
+        quantize_model(model.eval(), "q4_k_m", quantize_head=True), tmp_path / "m.gguf", qtype="q4_k_m"
+    )
+    packed = load_pretrained(path, packed=True)
+    assert model_nbytes(packed) <= path.stat().st_size <= 1.05 * model_nbytes(packed) + 50_000
+    ids = torch.randint(0, 512, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids), load_pretrained(path)(ids), atol=1e-4, rtol=0)

@@ -295,7 +295,10 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device) -> Tr
 
 
 def load_pretrained(
-    path_or_id: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path_or_id: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    packed: bool = False,
 ) -> TransformerLM:
     """Load a TransformerLM (in eval mode) from one of:
 
@@ -310,11 +313,20 @@ def load_pretrained(
       comes from its metadata, weights are dequantized to float (so a Q4 file yields a float model
       with the 4-bit rounding baked in).
 
+    packed=True (GGUF only) keeps the file's quantized matrices as they are stored, memory-mapped
+    (gguf_packed.py): the model costs about the file's size instead of a float copy.
+
     A file of a folder (model.safetensors, config.json, tokenizer.json, ...) names its folder, and a
     GGUF file is recognized by its first bytes (sources.resolve_checkpoint, shared with load_tokenizer).
     Raises CheckpointError (or ConfigError for an impossible config) with a one-line message.
     """
     source = resolve_checkpoint(path_or_id)
+    if packed:
+        if source.kind != "gguf":
+            raise CheckpointError(f"packed=True keeps a GGUF file's blocks; {source.path} is a folder")
+        from cs336_inference.io.gguf_packed import load_packed
+
+        return load_packed(source.path, dtype).to(device)
     if source.kind == "gguf":
         return _load_gguf(source.path, dtype, device)
     return _load_folder(source.path, dtype, device)
