@@ -26,6 +26,17 @@ Variants: MHA / GQA / MQA / sliding / hybrid take every axis (layer_types follow
 MLA takes layers and d_ff (its heads live in a low-rank kv_b_proj, and its latent norms do not see
 D). CLA takes d_ff and d_model (removing a layer or a head would change what other layers of its
 sharing group read). The other axes raise a ValueError.
+
+The families' switches (config.py) prune as follows. QK-norm's q_norm / k_norm weigh the H dims of a
+head and are shared by all heads: kept whole by head pruning (and by d_model pruning, though their eps
+is the config's one rms_norm_eps, which becomes eps * D/D' too: a change of eps (D/D' - 1) next to a
+head's mean square, not exact). Gemma 3's sandwich norms (post_attn_norm, post_mlp_norm) normalize a
+branch's output over D: cut with the channels and rescaled like the other norms (exact for zero
+channels, as the branch's output is zero there too). GeGLU's neurons are scored by
+|gelu_tanh(gate) * up|, what they feed down_proj. Partial rotary and an explicit head_dim (N x H != D)
+keep H, so the rotary dims are those of the original. Gemma's embeddings times sqrt(D) (embed_scale):
+d_model is refused, since the pruned model would multiply by sqrt(D') (its config has no other
+scale); every other axis prunes.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from .config import ModelConfig
+from .layers import GeGLU
 from .model import TransformerLM
 
 
@@ -124,7 +136,12 @@ def importance_scores(
 
     def on_mlp(module, args):
         x = args[0]
-        batch["neurons"].append(neuron_importance(module.gate_proj(x), module.up_proj(x)))
+        gate, up = module.gate_proj(x), module.up_proj(x)
+        if isinstance(module, GeGLU):  # Gemma: a neuron feeds gelu_tanh(gate) * up to down_proj
+            act = F.gelu(gate.float(), approximate="tanh") * up.float()
+            batch["neurons"].append(act.abs().mean(dim=(0, 1)))
+        else:
+            batch["neurons"].append(neuron_importance(gate, up))
 
     def on_norm(module, args, out):
         batch["channels"].append(channel_importance(out))
@@ -248,6 +265,9 @@ def slice_block(
     # END SOLUTION
 
 
+SANDWICH_NORMS = ("post_attn_norm.weight", "post_mlp_norm.weight")  # Gemma 3's, over D
+
+
 def slice_model_state(model: TransformerLM, keep: Keep) -> dict[str, Tensor]:
     """The whole state dict of the pruned model: embedding columns, output head columns, final norm,
     and each kept layer's `slice_block`, renumbered 0..L'-1."""
@@ -266,6 +286,9 @@ def slice_model_state(model: TransformerLM, keep: Keep) -> dict[str, Tensor]:
         )
         block = {k: v for k, v in block.items() if k not in mla_attn}
         sliced = slice_block(block, keep.heads[new], keep.kv_heads[new], keep.neurons[new], ch, H) | mla_attn
+        for name in SANDWICH_NORMS:  # the branches' output norms keep the kept channels too
+            if name in sliced:
+                sliced[name] = block[name][ch].clone()
         out.update({f"layers.{new}.{k}": v for k, v in sliced.items()})
     return out
 
@@ -320,6 +343,11 @@ def plan(
         raise ValueError("MLA models can be pruned in layers and d_ff only (heads live in kv_b_proj)")
     if cfg.kv_share > 1 and (n_heads_t != N or n_layers_t != L or layers is not None):
         raise ValueError("CLA models can be pruned in d_ff and d_model only (layers share K/V)")
+    if cfg.embed_scale and d_model_t != cfg.d_model:
+        raise ValueError(
+            "d_model cannot be pruned in a model that scales its embeddings by sqrt(d_model) (embed_scale, "
+            "Gemma): the pruned model would scale them by sqrt of the new width; prune layers, heads or d_ff"
+        )
     # layers
     if layers is not None:
         if n_layers is not None:
@@ -415,7 +443,7 @@ def prune(
     state = slice_model_state(model, keep)
     if new_cfg.d_model != cfg.d_model:  # see the module docstring: exact when removed channels are zero
         gain = math.sqrt(cfg.d_model / new_cfg.d_model)
-        for name in state:
+        for name in state:  # every norm over D (attn_norm, mlp_norm, Gemma's post_* norms, the final one)
             if name.endswith("attn_norm.weight") or name.endswith("mlp_norm.weight") or name == "norm.weight":
                 state[name] = state[name] * gain
     param = model.embed.weight

@@ -213,12 +213,21 @@ class Steps(Protocol):
     (`cs336_inference.fast.step.fixed.FixedSteps`); nothing here depends on it."""
 
     def capacity(self, length: int, max_seq_len: int) -> int:
-        """The cache length to allocate for `length` steps."""
+        """The cache length S to allocate for `length` steps (a static cache in every layer, a sliding
+        layer's too: `steps_cache`)."""
         ...
 
     def __call__(self, model: TransformerLM, cache: KVCache, T: int) -> Callable[..., Tensor]:
         """A forward like `model(ids, cache=cache, last_only=...)` for calls of up to T tokens."""
         ...
+
+
+def steps_cache(model: TransformerLM, steps: Steps, length: int) -> KVCache:
+    """A one-row cache for `length` steps that fixed-shape steps run: steps.capacity(..) slots, static in
+    every layer. A sliding layer gets the whole length too (spare = S: no ring), its window applied by
+    the attention mask, so that a fixed step's shapes never change (Mistral, Gemma 3's local layers)."""
+    S = steps.capacity(length, model.config.max_seq_len)
+    return model.new_cache(1, S, spare=S)
 
 
 class ModelDraft:
@@ -266,9 +275,7 @@ class ModelDraft:
         elif self.steps is None:
             self.cache = self.model.new_cache(1, capacity, spare=k + 1)
         else:  # fixed-shape steps of 1 and 2 tokens (a round feeds 1, or 2 after all k were accepted)
-            self.cache = self.model.new_cache(
-                1, self.steps.capacity(capacity + k + 2, self.model.config.max_seq_len)
-            )
+            self.cache = steps_cache(self.model, self.steps, capacity + k + 2)
             self.forward = self.steps(self.model, self.cache, 2)
         self.fed = torch.empty(0, dtype=torch.long, device=self.model.embed.weight.device)
         self.forwards = 0
@@ -517,7 +524,7 @@ def _rounds(target, drafter, ids, k, params: SamplingParams, stats, steps) -> It
     if steps is None:
         cache = target.new_cache(1, capacity, spare=k)
     else:  # the target runs fixed-shape steps of 1 and k + 1 tokens
-        cache = target.new_cache(1, steps.capacity(capacity + k, target.config.max_seq_len))
+        cache = steps_cache(target, steps, capacity + k)
         target = steps(target, cache, k + 1)
     check_rollback(cache, k)
     drafter.reset(capacity, k)

@@ -291,12 +291,19 @@ def test_lookup_then_a_shared_cache_draft_in_fixed_shape_steps_gives_greedy_gene
     )
 
 
-def test_speculative_fixed_steps_refuse_ring_caches_in_one_line():
+def test_speculative_fixed_steps_hold_sliding_layers_in_static_caches():
+    """A sliding model's fixed-shape steps get a static cache in every layer (speculative.steps_cache:
+    no ring, the window is the mask's), so speculative decoding through them is greedy generate."""
     from cs336_inference.speculative import speculative_generate
 
-    ring = TransformerLM(ModelConfig(**{**BASE, "n_kv_heads": 2, "sliding_window": 5}))
-    with pytest.raises(ValueError, match="needs static KV caches"):
-        speculative_generate(ring, "ngram", torch.tensor([1, 2, 3]), 8, k=2, steps=FixedSteps("eager"))
+    sliding = tiny("sliding")
+    prompt = torch.tensor([1, 2, 3, 1, 2, 3, 4])
+    expected = generate(sliding, prompt, 20, stop_token_ids=[])
+    for draft in ("ngram", sliding):
+        got = speculative_generate(
+            sliding, draft, prompt, 20, k=2, stop_token_ids=[], steps=FixedSteps("eager")
+        )
+        assert got.tolist() == expected.tolist(), f"draft {draft if isinstance(draft, str) else 'model'}"
 
 
 # ------------------------------------------------------------------ GPU

@@ -14,7 +14,10 @@ holds a slice of every matrix and computes with it; two all-reduces per layer pu
 so a layer costs 2 all-reduces of B x T x D activations whatever tp is, while weights and KV bytes
 per rank fall by tp. Fewer K/V heads than ranks (MQA, small GQA): each K/V head is replicated on
 tp / K ranks (as vLLM does). MLA: heads are split as above, the small latent projection and its
-cache are replicated. Sliding window, hybrid and CLA layers split like any other.
+cache are replicated. Sliding window, hybrid and CLA layers split like any other. The families'
+switches need nothing more: norms are replicated (QK-norm's [H] gains, shared by every head, and
+Gemma 3's sandwich norms too), and each shard keeps D, H and the rotary tables (embed_scale, a
+sliding layer's own rotary base, partial rotary, rope scaling).
 
 Each rank's model is an ordinary TransformerLM built from the shard's config (N/tp heads, F/tp
 neurons, V/tp vocabulary rows); o_proj / down_proj / the embedding become their parallel subclasses

@@ -19,7 +19,9 @@ on the calibration data.
 
 Groups of linears share one input and therefore one s: (q, k, v) after attn_norm, (gate, up) after
 mlp_norm, o after v (attention output channel (n, h) is a mix of v's channel (kv head of n, h)), and
-down after up (down's input is silu(gate) * up, linear in up's output).
+down after up (down's input is silu(gate) * up, linear in up's output; Gemma's GeGLU, gelu_tanh(gate)
+* up, as well). QK-norm and Gemma's sandwich norms act after q / k and after o / down: the folds
+keep those products' outputs, so they see what they saw.
 """
 
 from __future__ import annotations

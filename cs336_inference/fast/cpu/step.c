@@ -9,6 +9,8 @@
        x += o_proj(attend(rope(q), rope(k) -> cache, v -> cache))   with q, k, v = qkv(rmsnorm(x))
        x += down(silu(gate) * up)                                  with gate, up = gateup(rmsnorm(x))
 
+   (with QK-norm, Qwen3's, q and k are RMS-normalized head by head before the rotary)
+
    in C, calling decode.c's product kernels (exported there) on the stacked q/k/v and gate/up
    weights of fast/step/fuse.py. fast/step/native.py builds its arguments; it is staff code, tested
    equal (to float32 rounding) to the model's own forward, which stays the readable reference.
@@ -51,8 +53,9 @@ void cs336_silu_mul(const float *gu, i64 M, i64 F, float *a, int threads);
    in panels of 16 rows (decode.c's cs336_f32_panels), and
    A8 + format for int4, q8_0 and q4_0 times Q8_0 activations (decode.c's `cs336_a8`). */
 enum { LIN_FIELDS = 7, F32_ROWS = 0, F32_COLS = 6, F32_PANELS = 7, A8 = 16 };
-/* A layer: {attn_norm, mlp_norm, k cache, v cache, window (0: none), qkv, o, gateup, down}. */
-enum { LAYER_HEAD = 5, LAYER_FIELDS = LAYER_HEAD + 4 * LIN_FIELDS };
+/* A layer: {attn_norm, mlp_norm, k cache, v cache, window (0: none), q_norm, k_norm (QK-norm's [H] gains,
+   0: none), qkv, o, gateup, down}. */
+enum { LAYER_HEAD = 7, LAYER_FIELDS = LAYER_HEAD + 4 * LIN_FIELDS };
 /* dims: {B, T, D, N, K, H, F, S (cache slots), threads} */
 
 static void linear(const i64 *L, const float *x, i64 M, i64 I, float *y, int threads) {
@@ -445,6 +448,15 @@ static int layers_body(Rows *r, i64 M, i64 D, i64 N, i64 K, i64 H, i64 F, int th
         phase(P_NORMS, &t);
         linear(L + LAYER_HEAD, h, M, D, qkv, threads);
         phase(P_QKV, &t);
+        const float *qn = (const float *)L[5], *kn = (const float *)L[6];
+        if (qn && kn) { /* QK-norm: each query head, then each key head, normalized over its H dims */
+            for (i64 m = 0; m < M; m++) {
+                float *row = qkv + m * QKV;
+                rmsnorm(row, qn, row, N, H, eps);
+                rmsnorm(row + N * H, kn, row + N * H, K, H, eps);
+            }
+            phase(P_NORMS, &t);
+        }
         for (i64 m = 0; m < M; m++) {
             float *row = qkv + m * QKV;
             const float *c = cos + m * H, *s = sin + m * H;

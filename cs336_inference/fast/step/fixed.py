@@ -27,8 +27,12 @@ The same step takes T tokens per row (`T=`): speculative decoding's verify pass 
 `FixedShapes` serves a model call of any length from two fixed steps (1 and k + 1 tokens, shorter
 drafts padded) and is what `speculative_generate(..., steps=FixedSteps(mode))` runs as the target.
 
-Supported: MHA / GQA / MQA, CLA, and sliding-window layers held in a full static cache; ring caches
-(a window smaller than the cache) and MLA are not (a ValueError says so).
+Supported: MHA / GQA / MQA, CLA, and sliding-window layers held in a full static cache (`fixed_cache`
+makes one: graph_generate, step_stream and speculative decoding's FixedSteps use it); ring caches
+(a window smaller than the cache) and MLA are not (a ValueError says so). The steps call the model's
+own blocks, so every family's switches (QK-norm, Gemma 3's sandwich norms, GeGLU and local rotary
+base, partial rotary) run as the model runs them; mode "native" runs the ones step.c computes and
+refuses the others in one line (native.model_problem).
 """
 
 from __future__ import annotations
@@ -242,6 +246,13 @@ def fixed_capacity(n: int, max_seq_len: int, bucket: int = 256) -> int:
     return min(-(-n // bucket) * bucket, max_seq_len)
 
 
+def fixed_cache(model, n: int) -> KVCache:
+    """A one-row cache for n steps as fixed-shape steps run it: fixed_capacity(n) slots, static in every
+    layer (a sliding layer too: spare = the capacity, so no ring; the mask applies its window)."""
+    S = fixed_capacity(n, model.config.max_seq_len)
+    return model.new_cache(1, S, spare=S)
+
+
 PREFILL_ROWS = ops.MAX_ROWS  # a native prefill's pass where a product keeps its rows' sums on its stack
 # where every product reads fp32 panels (any number of rows): a pass's most rows, which bounds its work
 # buffers (about 30 KB a row for SmolLM2); fewer passes read the weights fewer times, with the same bits
@@ -383,7 +394,7 @@ class FixedSteps:
     def tree_target(self, model, length: int) -> tuple[FixedShapes, KVCache]:
         """speculative_tree's target: a cache for `length` steps and the FixedShapes that runs its tree
         passes (`FixedShapes.tree`) and the prompt's prefill (`FixedShapes.prefill`)."""
-        cache = model.new_cache(1, fixed_capacity(length, model.config.max_seq_len))
+        cache = fixed_cache(model, length)
         return FixedShapes(model, cache, 1, self.mode), cache
 
 
@@ -423,7 +434,7 @@ def graph_generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = model.embed.weight.device
     ids = prompt_ids.to(device).reshape(1, -1)
-    cache = model.new_cache(1, fixed_capacity(ids.shape[1] + max_new_tokens, model.config.max_seq_len))
+    cache = fixed_cache(model, ids.shape[1] + max_new_tokens)
     token = prefill(model, cache, ids, mode).argmax(-1)
     out = torch.empty(max_new_tokens, dtype=torch.long, device=device)
     out[0] = token[0]
@@ -467,7 +478,7 @@ def step_stream(
     if not single:
         raise ValueError("step_stream takes one prompt (a 1-D tensor or a list of ints)")
     device = ids.device
-    cache = model.new_cache(1, fixed_capacity(ids.shape[1] + max_new_tokens, model.config.max_seq_len))
+    cache = fixed_cache(model, ids.shape[1] + max_new_tokens)
     step = FixedStep(model, cache, mode)
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     stops = set(params.stops(model.config))

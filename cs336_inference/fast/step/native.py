@@ -10,8 +10,14 @@ product kernels, so a step is the embedding, one C call, the final norm and the 
 Supported (`why_not` says what is not): TransformerBlocks with `Attention` (MHA / GQA / MQA, sliding
 window in a static cache, Qwen2's q/k/v bias), no CLA and no MLA, whose q/k/v and gate/up are
 stacked by fuse.py (on by default), every product fp32 or one of the kernels' quantized formats
-(int8, int4, q8_0, q4_0, q4_1), float32 activations, a CPU with the kernels built. The model's own
-forward stays the reference: tests/test_graphs.py compares the two for every supported shape.
+(int8, int4, q8_0, q4_0, q4_1), float32 activations, a CPU with the kernels built. Of the families'
+switches (config.py): rope scaling and rope_freqs (only the cos/sin tables the caller passes differ),
+N x H != D, an attention scale of one's own (query_pre_attn_scalar: the scale is an argument),
+embeddings times sqrt(D) (the caller embeds) and Qwen3's QK-norm (step.c normalizes each head's
+queries and keys before the rotary). Not: partial rotary, Gemma 3's sandwich norms, GeGLU and the
+sliding layers' own rotary base; `model_problem` names the switch and the model runs the compiled or
+readable forward instead. The model's own forward stays the reference: tests/test_graphs.py and
+tests/test_families_downstream.py compare the two for every supported shape.
 
 The fp32 products (the stacked groups, o_proj, down_proj and the output matrix) read panels of 16
 rows (decode.c's cs336_f32_panels): a second copy of each fp32 weight made on first use
@@ -64,9 +70,10 @@ from cs336_inference.fast.cpu.ops import (
 )
 from cs336_inference.fast.layers import readable_type
 from cs336_inference.kv_cache import StaticKVCache
-from cs336_inference.layers import Linear, RMSNorm, SwiGLU
+from cs336_inference.layers import GeGLU, Linear, RMSNorm, SwiGLU
 from cs336_inference.quantization.linear import PackedWeight, QuantizedLinear
 
+QK_NORMS = ("q_norm", "k_norm")  # step.c normalizes each head's queries and keys with these (QK-norm)
 F32_ROWS, F32_COLS, F32_PANELS = 0, 6, 7  # step.c's fp32 format codes; the quantized ones: ops.FORMAT_CODES
 
 
@@ -110,15 +117,22 @@ def model_problem(model) -> str | None:
         return "it needs the stacked q/k/v and gate/up of fast/step/fuse.py (CS336_KERNELS_FUSE=0)"
     if model.embed.weight.dtype != torch.float32 or model.embed.weight.device.type != "cpu":
         return "it runs float32 models on the CPU"
-    H = model.config.head_dim
+    cfg = model.config
+    H = cfg.head_dim
     if H % 2 or H > 512:
         return f"head_dim {H} is odd or above 512"
+    if not cfg.is_mla and cfg.rotary_dim != H:
+        return f"it rotates only {cfg.rotary_dim} of {H} head dims (partial_rotary_factor); step.c all"
+    first = model.layers[0]
     for i, block in enumerate(model.layers):
         attn, mlp = block.attn, block.mlp
         if type(attn) is not Attention:
             return f"layer {i} is {type(attn).__name__} attention (MLA runs the compiled step)"
         if attn.owner != i:
             return f"layer {i} borrows its K/V (CLA runs the compiled step)"
+        problem = _family_problem(i, block, first)
+        if problem:
+            return problem
         if (
             type(mlp) is not SwiGLU
             or type(block.attn_norm) is not RMSNorm
@@ -134,6 +148,28 @@ def model_problem(model) -> str | None:
             if problem:
                 return f"layer {i}'s {name} is {problem}"
     return None
+
+
+def _family_problem(i: int, block, first) -> str | None:
+    """The switch of another family (config.py) that layer i has and step.c does not compute, if any."""
+    attn = block.attn
+    if hasattr(block, "post_attn_norm"):
+        return f"layer {i} normalizes its attention and MLP outputs too (sandwich_norm): step.c does not"
+    if type(block.mlp) is GeGLU:
+        return f"layer {i}'s MLP is GeGLU (mlp_act gelu_tanh): step.c computes SwiGLU"
+    if attn.local_rope:
+        return f"layer {i} rotates with its own base (rope_local_theta): step.c takes one rotary table"
+    if len(_qk_norms(attn)) == 1:
+        return f"layer {i} normalizes its queries or its keys but not both"
+    norms = [block.attn_norm, block.mlp_norm, *_qk_norms(attn)]
+    if attn.scale != first.attn.scale or any(n.eps != first.attn_norm.eps for n in norms):
+        return f"layer {i}'s attention scale or norm eps differs from layer 0's: step.c takes one of each"
+    return None
+
+
+def _qk_norms(attn) -> list:
+    """QK-norm's q_norm and k_norm of an Attention (Qwen3, Gemma 3), or none."""
+    return [getattr(attn, name) for name in QK_NORMS if hasattr(attn, name)]
 
 
 def _product(layer, panels_too: bool, stamp: object = None) -> list[int]:
@@ -196,6 +232,7 @@ class NativeLayers:
         self._watch = []
         for block in model.layers:
             self._watch += [(block, "attn_norm", None, "weight"), (block, "mlp_norm", None, "weight")]
+            self._watch += [(block, "attn", name, "weight") for name in QK_NORMS if hasattr(block.attn, name)]
             for part, names in (("attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj"))):  # fmt: skip
                 for name in names:
                     layer = getattr(getattr(block, part), name)
@@ -251,6 +288,8 @@ class NativeLayers:
             attn, mlp, (k, v) = block.attn, block.mlp, self._stores(i)
             rows += [block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr()]
             rows += [k.data_ptr(), v.data_ptr(), self.windows[i]]
+            # QK-norm (Qwen3): each head's queries and keys RMS-normalized before the rotary (0: none)
+            rows += [norm.weight.data_ptr() for norm in _qk_norms(attn)] or [0, 0]
             for product in (
                 _stacked(attn.q_proj, self.panels), _product(attn.o_proj, self.panels),
                 _stacked(mlp.gate_proj, self.panels), _product(mlp.down_proj, self.panels),

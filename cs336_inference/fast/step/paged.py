@@ -13,7 +13,8 @@ Row by row the operations are those of the native step over a static cache (the 
 norms and rotary, each head's keys visited in step order), and no row's numbers depend on the other
 rows of the step: a request gets bitwise the same logits alone as beside others
 (tests/test_paged_native.py, which also compares every step with the readable forward). Longer steps (a prompt chunk past MAX_ROWS tokens) and models or caches it cannot
-run (`why_not_paged`: MLA, CLA, another dtype) take the readable forward.
+run (`why_not_paged`: MLA, CLA, another dtype, the families' switches step.c does not compute: partial
+rotary, Gemma 3's block) take the readable forward.
 """
 
 from __future__ import annotations
