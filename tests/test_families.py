@@ -175,3 +175,29 @@ def test_gguf_export_then_import_gives_the_same_logits(case, qtype, tmp_path):
     with torch.no_grad():
         diff = (back(ids) - want(ids)).abs().max().item()
     assert diff <= TOL, f"{case} {qtype}: GGUF round trip moved the logits by {diff:.2e}"
+
+
+@pytest.mark.parametrize("case", ["phi3_fused", "gemma3_multimodal", "qwen3_qk_norm"])
+@pytest.mark.parametrize("source", ["folder", "gguf"])
+def test_load_sharded_reads_what_cutting_the_whole_model_gives(case, source, tmp_path):
+    """Tensor parallelism's loader (io/shards.py) on each family's own layout: Phi-3's fused tensors,
+    Gemma's shifted norms and multimodal names, in the folder and in the GGUF export."""
+    from simulated_ranks import on_ranks
+
+    from cs336_inference.io.gguf_write import save_gguf
+    from cs336_inference.parallel import load_sharded, shard_model
+
+    path = REF / case
+    if source == "gguf":
+        model = load_pretrained(path)
+        if case.startswith("gemma3"):
+            model.config.query_pre_attn_scalar = float(model.config.head_dim)
+        path = save_gguf(model, tmp_path / "m.gguf", qtype="f32")
+    whole = load_pretrained(path)
+
+    def compare(rank: int) -> list[str]:
+        a, b = load_sharded(path).local.state_dict(), shard_model(whole).local.state_dict()
+        return [name for name in a if not torch.equal(a[name], b[name])]
+
+    for rank, differ in enumerate(on_ranks(2, compare)):
+        assert not differ, f"{case} {source}, rank {rank}: load_sharded differs in {differ[:3]}"

@@ -52,15 +52,17 @@ def checkpoint_tensors(path: str | os.PathLike) -> tuple[ModelConfig, Reader]:
         shapes = expected_shapes(cfg)
 
         def read_one(fname: str) -> Tensor | None:
-            """The file's tensor fname, or the piece of a fused one (Phi-3's attn_qkv and ffn_up)."""
-            if fname in gguf.tensors:
-                return gguf_read.read_tensor(gguf, fname, cfg)
-            layer, part = fname.split(".")[1], fname.split(".")[2]
+            """The file's tensor fname, or the piece of a fused one (Phi-3's attn_qkv holds q, k, v; its
+            ffn_up holds gate then up)."""
+            part = fname.split(".")[-2]
             fused = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv", "ffn_gate": "ffn_up"}
-            whole = f"blk.{layer}.{fused.get(part, part)}.weight"
-            if cfg.model_type != "phi3" or whole not in gguf.tensors:
-                return None
-            return gguf_read.split_fused(cfg, whole, gguf_read.read_tensor(gguf, whole, cfg)).get(fname)
+            if cfg.model_type == "phi3" and part in (*fused, "ffn_up"):
+                whole = fname.replace(part, fused.get(part, part))
+                if whole in gguf.tensors:
+                    pieces = gguf_read.split_fused(cfg, whole, gguf_read.read_tensor(gguf, whole, cfg))
+                    if fname in pieces:
+                        return pieces[fname]
+            return gguf_read.read_tensor(gguf, fname, cfg) if fname in gguf.tensors else None
 
         def read_gguf(where: Where) -> Iterator[tuple[str, Tensor]]:
             for name, want in shapes.items():
