@@ -169,3 +169,83 @@ def test_packed_q4_k_m_file_costs_its_size(tmp_path):
     ids = torch.randint(0, 512, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(packed(ids), load_pretrained(path)(ids), atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------ against llama.cpp (optional: llama-cpp-python)
+def llama_cpp_quantize(src, dst, ftype: int) -> None:
+    import ctypes
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional)")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = ftype, 2
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0
+
+
+def smollm2_source():
+    from cs336_inference.io.checkpoint import default_model_path
+
+    try:
+        return default_model_path()
+    except ValueError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.slow
+def test_k_quants_choose_llama_cpps_blocks(tmp_path):
+    """llama.cpp's own quantizer (llama_model_quantize, Q4_K_M) on a float GGUF we wrote: our Q4_K and Q6_K
+    of the same float rows agree with it on almost every block (the rest are ties its float sums break
+    in another order) and have its error."""
+    from cs336_inference.config import ModelConfig
+    from cs336_inference.io.gguf_write import save_gguf
+    from cs336_inference.model import TransformerLM
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=49152, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, d_ff=1536, max_seq_len=64
+    )
+    save_gguf(TransformerLM(cfg).eval(), tmp_path / "f32.gguf", qtype="f32", source=smollm2_source())
+    llama_cpp_quantize(tmp_path / "f32.gguf", tmp_path / "q.gguf", 15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    floats = {t.name: np.array(t.data) for t in gguf.GGUFReader(tmp_path / "f32.gguf").tensors}
+    seen = {}
+    for t in gguf.GGUFReader(tmp_path / "q.gguf").tensors:
+        fmt = t.tensor_type.name.lower()
+        if fmt not in ("q4_k", "q6_k"):
+            continue
+        w = torch.from_numpy(floats[t.name]).float().reshape(t.data.shape[0], -1)
+        ours = getattr(kquants, f"{fmt}_quantize")(w).numpy()
+        theirs = np.array(t.data).reshape(ours.shape)
+        same = (ours.reshape(-1, kquants.BLOCK[fmt][1]) == theirs.reshape(-1, kquants.BLOCK[fmt][1])).all(1)
+        error = [np.abs(gguf.quants.dequantize(q, FORMATS[fmt]) - w.numpy()).mean() for q in (ours, theirs)]
+        seen.setdefault(fmt, []).append((same.mean(), error[0] / error[1]))
+    for fmt, rows in seen.items():
+        agree, ratio = np.mean(rows, axis=0)
+        assert agree > 0.95 and abs(ratio - 1) < 0.002, (
+            f"{fmt}: {agree:.1%} of blocks as llama.cpp's, error x{ratio:.4f}"
+        )
+
+
+@pytest.mark.slow
+def test_llama_cpp_decodes_our_q4_k_m_export_into_our_tokens(tmp_path):
+    """SmolLM2 quantized here as Q4_K_M (its rows of 576 take the Q5_0 / Q8_0 fallbacks, its 1536-wide
+    down projections Q4_K / Q6_K) and written with save_gguf: llama.cpp reads it and decodes our tokens."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional)")
+    from llama_cpp import Llama
+
+    from cs336_inference import generate
+    from cs336_inference.io.gguf_write import save_gguf
+    from cs336_inference.io.tokenizer import load_tokenizer
+
+    source = smollm2_source()
+    path = save_gguf(quantize_model(load_pretrained(source), "q4_k_m", quantize_head=True), tmp_path / "q.gguf",
+                     qtype="q4_k_m", source=source)  # fmt: skip
+    types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0"} <= types
+    llm = Llama(str(path), n_ctx=128, n_threads=2, verbose=False)
+    prompt = load_tokenizer(source).encode("The three largest cities of France are", add_special_tokens=False)
+    llm.eval(prompt)
+    theirs = []
+    for _ in range(12):
+        theirs.append(llm.sample(temp=0.0))
+        llm.eval([theirs[-1]])
+    ours = generate(load_pretrained(path), torch.tensor(prompt), 12, stop_token_ids=[]).tolist()
+    assert theirs == ours, f"llama.cpp {theirs} vs ours {ours}"

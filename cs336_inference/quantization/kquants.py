@@ -90,8 +90,9 @@ def fit_scale_min(x: Float[Tensor, "n k"], w: Float[Tensor, "n k"], nmax: int, s
     """Per row, x ~ scale * q + mn with q in 0..nmax, mn <= 0, minimizing sum w (scale q + mn - x)^2.
 
     Start from the range [min(x, 0), max(x)] split in nmax steps; then try nmax - 1 + 0.1 t steps
-    (t = 0..steps) over the same range: round x to that grid, and solve the weighted least squares
-    for (scale, mn) given those q; keep the best. Returns (scale [n, 1], -mn [n, 1], q [n, k]).
+    (t = 0..steps) over the range from the best mn so far to max(x): round x to that grid, and solve
+    the weighted least squares for (scale, mn) given those q; keep the best. Returns (scale [n, 1],
+    -mn [n, 1], q [n, k]).
     """
     lo, hi = x.amin(dim=1, keepdim=True).clamp(max=0), x.amax(dim=1, keepdim=True)
     flat = hi == lo
@@ -100,7 +101,8 @@ def fit_scale_min(x: Float[Tensor, "n k"], w: Float[Tensor, "n k"], nmax: int, s
     scale = span / nmax
     q = torch.round((x - lo) * (nmax / span)).clamp(0, nmax)
     best = (w * (scale * q + lo - x) ** 2).sum(dim=1, keepdim=True)
-    for t in range(steps + 1):
+    for t in range(steps + 1):  # (llama.cpp measures the range from the best min so far)
+        span = torch.where(flat, torch.ones_like(hi), hi - lo)
         qt = torch.round((x - lo) * ((nmax - 1 + 0.1 * t) / span)).clamp(0, nmax)
         sl, sl2, sxl = (
             (w * qt).sum(1, keepdim=True),
