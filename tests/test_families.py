@@ -1,6 +1,6 @@
 """The families people run (Llama 3.x rope scaling, Qwen3, Gemma 3, Phi-3, Phi-4-mini) as switches on the
-one TransformerLM, against transformers on tiny random checkpoints it built and saved
-(scripts/make_reference_outputs.py): logits, greedy tokens of its `generate`, cached == naive, and
+one TransformerLM, against transformers on tiny random checkpoints it built and saved (made once by the
+course staff, in reference_weights/): logits, greedy tokens of its `generate`, cached == naive, and
 each switch's negative control (turned off, the logits must move)."""
 
 from __future__ import annotations

@@ -399,8 +399,8 @@ def test_gemma3_tokenizer_loads_in_seconds(gemma3):
 
 
 def test_gemma3_tokenizer_matches_transformers(gemma3):
-    """Against ids transformers computed for the same file (scripts/make_reference_outputs.py
-    --gemma-tokenizer), stored because its conversion of this vocabulary is slow."""
+    """Against ids transformers computed for the same file (once, by the course staff), stored because
+    its conversion of this vocabulary is slow."""
     tok, _ = gemma3
     reference = json.loads(GEMMA_REFERENCE.read_text())
     assert tok.bos_token_id == reference["bos_token_id"] and tok.eos_token_ids[0] == reference["eos_token_id"]
