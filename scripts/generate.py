@@ -303,7 +303,9 @@ def run(args: argparse.Namespace) -> int:
         from cs336_inference.fast.threads import auto_threads
 
         args.threads, idle = auto_threads()  # on a busy machine fewer threads decode faster
-        threads_note = "" if idle is None else f" (auto: {idle:.1f} idle cores)"
+        threads_note = (
+            "" if idle is None else f" (auto: one per idle core, {idle:.1f} of them idle; at least 1)"
+        )
     torch.set_num_threads(args.threads)
     try:
         source = args.model if args.model is not None else default_model_path()

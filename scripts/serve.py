@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -118,6 +119,14 @@ def main(argv: list[str] | None = None) -> int:
         args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.tensor_parallel)
     torch.set_num_threads(args.threads or auto_threads()[0])  # a busy machine: fewer threads, no stalls
 
+    listener = None
+    if rank == 0:  # the port first: a busy one is an error before minutes of loading, not after
+        try:
+            listener = listen(args.host, args.port)
+        except OSError as e:
+            print(f"serve.py: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+            return 2
+
     from cs336_inference.io.checkpoint import default_model_path, load_pretrained
     from cs336_inference.io.sources import CheckpointError
     from cs336_inference.io.tokenizer import load_tokenizer
@@ -185,11 +194,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     app = create_app(engine, tokenizer, name, api_key=api_key)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[listener])
     finally:
         if args.tensor_parallel is not None:
             stop_followers()
     return 0
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (OSError if another process holds it), handed to uvicorn."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 if __name__ == "__main__":

@@ -247,6 +247,14 @@ def test_bad_request_gets_4xx_json_and_server_keeps_serving(server, case):
     assert out.choices[0].text == server.expected(server.tokenizer.encode("still there?"), 3)
 
 
+def test_a_chat_message_of_an_unknown_role_is_a_400(server):
+    body = {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 2}
+    got, reply = server.post("/v1/chat/completions", body)
+    assert got == 400 and "wizard" in reply["error"]["message"], reply
+    body["messages"][0]["role"] = "user"
+    assert server.post("/v1/chat/completions", body)[0] == 200
+
+
 def test_openai_client_raises_on_unknown_model(server):
     with pytest.raises(openai.NotFoundError):
         server.client.completions.create(model="nope", prompt="hi", max_tokens=2)
@@ -341,3 +349,26 @@ def test_an_api_key_is_needed_everywhere_but_health():
     finally:
         s.uvicorn.should_exit = True
         s.thread.join(timeout=10)
+
+
+def test_serve_py_on_a_busy_port_fails_before_loading_the_model():
+    """The port is bound first: a second server says so at once instead of loading, printing 'serving'
+    and dying."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    script = Path(__file__).resolve().parents[1] / "scripts" / "serve.py"
+    try:
+        out = subprocess.run(
+            [sys.executable, str(script), "--port", str(port), "--model", "/nonexistent/never-loaded.gguf"],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    finally:
+        busy.close()
+    assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
+    assert "never-loaded" not in out.stderr and "serving" not in out.stderr, out.stderr

@@ -75,6 +75,9 @@ DONE = object()  # put on every request's queue when the engine thread fails
 MAX_BODY_BYTES = 1 << 20  # a request body past this is a 413 (a prompt of a million characters)
 
 
+CHAT_ROLES = ("system", "user", "assistant")  # what chat templates render (tools are not served)
+
+
 class APIError(Exception):
     """A request we refuse: becomes an OpenAI-style JSON error with this HTTP status."""
 
@@ -388,6 +391,12 @@ class RequestParser:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise APIError(400, f"messages[{i}] needs a 'role'", param="messages")
+            if m["role"] not in CHAT_ROLES:
+                raise APIError(
+                    400,
+                    f"messages[{i}] has role {m['role']!r}; roles are {', '.join(CHAT_ROLES)}",
+                    "messages",
+                )
             content = m.get("content")
             if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
                 parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
