@@ -24,12 +24,16 @@ QUANTIZE = ("int8", "int4", "q8_0", "q4_0", "q4_1", "int4_a8", "q8_0_a8", "q4_0_
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="serve.py", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="serve.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="folder, hub id or GGUF file (default: the SmolLM2 GGUF)")
     p.add_argument("--name", help="the model's name in the API (default: the file or folder name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--num-blocks", type=int, default=256, help="KV cache blocks (default 256)")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        help="KV cache blocks (default: enough for one sequence of the model's whole window, at least 256)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     p.add_argument("--max-batch-seqs", type=int, default=16, help="sequences per step (default 16)")
     p.add_argument(
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         # prompt chunk would run the readable forward, slower per token (docs/serving.md)
         args.max_batch_tokens = 512 if args.eager else 32
     for name in ("num_blocks", "block_size", "max_batch_seqs", "max_batch_tokens"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < args.port < 65536:
         p.error("--port must be in 1..65535")
@@ -160,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serve.py: {e}", file=sys.stderr)
         return 2
     name = args.name or Path(str(source).rstrip("/")).name.split(".")[0]
+    if args.num_blocks is None:  # one request may fill the model's window
+        args.num_blocks = max(256, -(-model.config.max_seq_len // args.block_size))
     if rank != 0:  # tensor parallel: rank 0 schedules and samples, this rank follows its steps
         from cs336_inference.parallel.serving import follow
 
@@ -189,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         lead(engine)
         path += f", tensor parallel over {args.tensor_parallel} processes"
     print(
-        f"serving {name!r} on http://{args.host}:{args.port}/v1; {path}, {torch.get_num_threads()} threads",
+        f"serving {name!r} on http://{args.host}:{args.port}/v1; {path}, {torch.get_num_threads()} threads, "
+        f"KV cache of {args.num_blocks} x {args.block_size} tokens (window {model.config.max_seq_len})",
         file=sys.stderr,
     )
     app = create_app(engine, tokenizer, name, api_key=api_key)
@@ -199,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.tensor_parallel is not None:
             stop_followers()
     return 0
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):  # a bad argument: one line, not the whole usage
+        print(f"serve.py: error: {message} (serve.py --help lists the options)", file=sys.stderr)
+        sys.exit(2)
 
 
 def listen(host: str, port: int) -> socket.socket:

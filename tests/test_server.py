@@ -372,3 +372,14 @@ def test_serve_py_on_a_busy_port_fails_before_loading_the_model():
         busy.close()
     assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
     assert "never-loaded" not in out.stderr and "serving" not in out.stderr, out.stderr
+
+
+def test_the_context_error_says_which_limit_was_hit(server):
+    """The KV blocks a server was started with, or the model's own window: the message names the one."""
+    from cs336_inference.serving.server import APIError, RequestParser
+
+    for capacity, limit in ((256, "KV cache holds 256 tokens"), (4096, "model's context holds 512 tokens")):
+        parse = RequestParser(server.tokenizer, MODEL, MAX_SEQ_LEN, capacity, [])
+        with pytest.raises(APIError) as err:
+            parse({"model": MODEL, "prompt": "hi", "max_tokens": 600}, chat=False)
+        assert err.value.status == 400 and limit in str(err.value), str(err.value)

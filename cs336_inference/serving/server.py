@@ -274,10 +274,14 @@ class RequestParser:
         default = max(window - P, 1) if chat else 16  # OpenAI's defaults: the rest of the context / 16
         max_tokens = _number(body, name, default, 0 if echo else 1, 1 << 30, integer=True)
         if P + max(max_tokens, 1) > window:
+            held = (  # which limit: the model's window, or the KV blocks this server was started with
+                f"this model's context holds {window} tokens"
+                if window == self.max_seq_len
+                else f"this server's KV cache holds {window} tokens (--num-blocks x --block-size; the "
+                f"model's window is {self.max_seq_len})"
+            )
             raise APIError(
-                400,
-                f"this model's context holds {window} tokens; the prompt has {P} and {name} asks for "
-                f"{max_tokens}",
+                400, f"{held}; the prompt has {P} and {name} asks for {max_tokens}",
                 param=name, code="context_length_exceeded",
             )  # fmt: skip
         temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
