@@ -56,21 +56,72 @@ def test_q5_0_is_byte_for_byte_gguf():
     assert np.array_equal(kquants.q5_0_quantize(w).numpy(), gguf.quants.quantize(w.numpy(), T.Q5_0))
 
 
-def test_q4_k_scales_and_mins_pack_into_12_bytes():
-    g = torch.Generator().manual_seed(0)
-    s, m = torch.randint(0, 64, (500, 8), generator=g), torch.randint(0, 64, (500, 8), generator=g)
+def scales_and_mins(n: int = 512, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, 8] scales and mins in 0..63: random, plus rows where every value uses its top two bits."""
+    g = torch.Generator().manual_seed(seed)
+    s, m = torch.randint(0, 64, (n, 8), generator=g), torch.randint(0, 64, (n, 8), generator=g)
     s[0], m[0] = 63, 63
+    s[1], m[1] = 0, 0
+    s[2], m[2] = torch.arange(48, 56), torch.arange(16, 24)
+    s[3], m[3] = 15, 48
+    return s, m
+
+
+def q4_k_blocks(packed: torch.Tensor, nibble: int) -> np.ndarray:
+    """Q4_K blocks with d = dmin = 1, these packed scales and mins, and every q = nibble."""
+    one = torch.tensor([1.0]).half().view(torch.uint8).expand(packed.shape[0], 2)
+    qs = torch.full((packed.shape[0], 128), nibble * 0x11, dtype=torch.uint8)
+    return torch.cat([one, one, packed, qs], dim=1).numpy()
+
+
+@pytest.mark.graded(problem="q4_k", points=2)
+def test_q4_k_scales_and_mins_pack_as_llama_cpp_reads_them():
+    """The gguf package (llama.cpp's reader) reads a block of q = 0 as -m_j and of q = 1 as s_j - m_j."""
+    s, m = scales_and_mins()
     packed = kquants.pack_scales_mins(s, m)
-    assert packed.shape == (500, 12)
-    back_s, back_m = kquants.unpack_scales_mins(packed)
-    assert torch.equal(back_s, s) and torch.equal(back_m, m)
-    # the same bytes in a Q4_K block with d = dmin = 1 and every q = 1: gguf reads x = s_j - m_j
-    one = torch.tensor([1.0]).half().view(torch.uint8)
-    blocks = torch.cat(
-        [one.expand(500, 2), one.expand(500, 2), packed, torch.full((500, 128), 0x11, dtype=torch.uint8)], 1
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (512, 12), (
+        f"eight scales and eight mins pack into 12 bytes: expected uint8 [512, 12], got {packed.dtype} "
+        f"{tuple(packed.shape)}"
     )
-    x = gguf.quants.dequantize(blocks.numpy(), T.Q4_K).reshape(500, 8, 32)
-    assert np.array_equal(x[:, :, 0], (s - m).float().numpy())
+    for nibble, want in ((0, -m), (1, s - m)):
+        got = gguf.quants.dequantize(q4_k_blocks(packed, nibble), T.Q4_K).reshape(-1, 8, 32)[:, :, 0]
+        bad = np.argwhere(got != want.numpy())
+        if len(bad):
+            row, j = map(int, bad[0])
+            raise AssertionError(
+                f"row {row} (s = {s[row].tolist()}, m = {m[row].tolist()}), sub-block {j}: with q = {nibble} "
+                f"llama.cpp reads {got[row, j]:g}, expected {want[row, j].item()} (s_j q - m_j); your bytes: "
+                f"{packed[row].tolist()}"
+            )
+    back_s, back_m = kquants.unpack_scales_mins(packed)
+    assert torch.equal(back_s, s) and torch.equal(back_m, m), (
+        "unpack_scales_mins(pack_scales_mins(s, m)) != (s, m)"
+    )
+
+
+@pytest.mark.graded(problem="q4_k", points=2)
+def test_q4_k_dequantize_equals_llama_cpp():
+    """Random bytes (finite fp16 d and dmin, negative ones too) and blocks quantized from floats."""
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 256, size=(12, 3 * 144), dtype=np.uint8)
+    halves = rng.uniform(-3, 3, size=(36, 2)).astype(np.float16)
+    halves[0] = [65504, -65504]
+    halves[1] = [0, 0]
+    raw.reshape(-1, 144)[:, :4] = halves.view(np.uint8)
+    for blocks in (raw, kquants.q4_k_quantize(weights(8, 512)).numpy()):
+        ours = kquants.q4_k_dequantize(torch.from_numpy(blocks))
+        ref = gguf.quants.dequantize(blocks, T.Q4_K)
+        assert ours.dtype == torch.float32 and tuple(ours.shape) == ref.shape, (
+            f"expected float32 {ref.shape}, got {ours.dtype} {tuple(ours.shape)}"
+        )
+        bad = np.argwhere(ours.numpy().view(np.uint32) != ref.view(np.uint32))
+        if len(bad):
+            row, col = map(int, bad[0])
+            block, k = divmod(col, 256)
+            raise AssertionError(
+                f"row {row}, super-block {block}, weight {k} (sub-block {k // 32}): expected {ref[row, col]!r}, "
+                f"got {ours[row, col].item()!r}"
+            )
 
 
 def test_k_quant_rows_must_be_whole_super_blocks():

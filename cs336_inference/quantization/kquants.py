@@ -156,20 +156,29 @@ def fit_scale(x: Float[Tensor, "n k"], nmax: int) -> Float[Tensor, "n 1"]:
 
 # ------------------------------------------------------------------ Q4_K
 def pack_scales_mins(s: Tensor, m: Tensor) -> UInt8[Tensor, "n 12"]:
-    """Eight 6-bit scales and eight 6-bit mins [n, 8] (0..63) -> Q4_K's 12 bytes per block."""
+    """Eight 6-bit scales and eight 6-bit mins [n, 8] (0..63) -> Q4_K's 12 bytes per block.
+
+    Bytes 0-3: s_0..s_3 in the low 6 bits, the top 2 bits of s_4..s_7 above them; bytes 4-7: the same
+    for m_0..m_3 and m_4..m_7; bytes 8-11: the low 4 bits of s_4..s_7 (low nibble) and of m_4..m_7
+    (high nibble)."""
     s, m = s.long(), m.long()
+    # BEGIN SOLUTION q4_k
     first = s[:, :4] | ((s[:, 4:] >> 4) << 6)  # s_0..s_3, and the top bits of s_4..s_7
     second = m[:, :4] | ((m[:, 4:] >> 4) << 6)  # m_0..m_3, and the top bits of m_4..m_7
     third = (s[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)  # the low 4 bits of s_4..s_7 and m_4..m_7
     return torch.cat([first, second, third], dim=1).to(torch.uint8)
+    # END SOLUTION
 
 
 def unpack_scales_mins(packed: UInt8[Tensor, "n 12"]) -> tuple[Tensor, Tensor]:
-    """Q4_K's 12 bytes per block -> the eight 6-bit scales and eight 6-bit mins, [n, 8] each."""
+    """Q4_K's 12 bytes per block -> the eight 6-bit scales and eight 6-bit mins, [n, 8] each (int64),
+    the inverse of `pack_scales_mins`."""
     p = packed.long()
+    # BEGIN SOLUTION q4_k
     s = torch.cat([p[:, 0:4] & 63, (p[:, 8:12] & 0xF) | ((p[:, 0:4] >> 6) << 4)], dim=1)
     m = torch.cat([p[:, 4:8] & 63, (p[:, 8:12] >> 4) | ((p[:, 4:8] >> 6) << 4)], dim=1)
     return s, m
+    # END SOLUTION
 
 
 def q4_k_quantize(w: Float[Tensor, "O I"]) -> UInt8[Tensor, "O B"]:
@@ -196,13 +205,18 @@ def q4_k_quantize(w: Float[Tensor, "O I"]) -> UInt8[Tensor, "O B"]:
 
 
 def q4_k_dequantize(raw: UInt8[Tensor, "O B"]) -> Float[Tensor, "O I"]:
+    """Q4_K bytes [O, n * 144] -> float32 weights [O, n * 256]: weight k of sub-block j is
+    (d s_j) q - (dmin m_j) in float32 (d, dmin: fp16 numbers, 11 significant bits; s_j, m_j: 6 bits;
+    q: 4 bits), where every product is exact and only the subtraction rounds, as in llama.cpp."""
     b = _raw_blocks(raw, "q4_k")
     n = b.shape[0]
     d, dmin = _fp16_value(b[:, 0:2]), _fp16_value(b[:, 2:4])
+    # BEGIN SOLUTION q4_k
     s, m = unpack_scales_mins(b[:, 4:16])
     qs = b[:, 16:].view(n, 4, 32).long()
     q = torch.stack([qs & 0xF, qs >> 4], dim=2).view(n, 8, 32)  # sub-block 2h: low nibbles of half h
     x = (d * s)[..., None] * q - (dmin * m)[..., None]
+    # END SOLUTION
     return _rows(x.reshape(n, QK_K), raw.shape[0])
 
 

@@ -9,6 +9,7 @@ check that only its problem's tests fail, and restore the file (git checkout -- 
 ABSMAX = "cs336_inference/quantization/absmax.py"
 INT4 = "cs336_inference/quantization/int4.py"
 BLOCKS = "cs336_inference/quantization/ggml_blocks.py"
+KQUANTS = "cs336_inference/quantization/kquants.py"
 LLM_INT8 = "cs336_inference/quantization/llm_int8.py"
 AWQ = "cs336_inference/quantization/awq.py"
 
@@ -178,6 +179,67 @@ WRONG = [
         file=LLM_INT8,
         find="y = y + x2[:, outliers].float() @ w_out.t()",
         replace="y = y + 0 * (x2[:, outliers].float() @ w_out.t())",
+    ),
+    # ------------------------------------------------------------------ q4_k
+    dict(
+        problem="q4_k",
+        name="top_bits_with_the_other_kind",
+        mistake="stores the top bits of s_4..s_7 beside m_0..m_3 and those of m_4..m_7 beside s_0..s_3 (and reads them so)",
+        file=KQUANTS,
+        edits=[
+            ("first = s[:, :4] | ((s[:, 4:] >> 4) << 6)", "first = s[:, :4] | ((m[:, 4:] >> 4) << 6)"),
+            ("second = m[:, :4] | ((m[:, 4:] >> 4) << 6)", "second = m[:, :4] | ((s[:, 4:] >> 4) << 6)"),
+            ("(p[:, 8:12] & 0xF) | ((p[:, 0:4] >> 6) << 4)", "(p[:, 8:12] & 0xF) | ((p[:, 4:8] >> 6) << 4)"),
+            ("(p[:, 8:12] >> 4) | ((p[:, 4:8] >> 6) << 4)", "(p[:, 8:12] >> 4) | ((p[:, 0:4] >> 6) << 4)"),
+        ],
+    ),
+    dict(
+        problem="q4_k",
+        name="nibbles_of_the_last_four_bytes_swapped",
+        mistake="puts s_4..s_7 in the high nibbles of bytes 8-11 and m_4..m_7 in the low ones (and reads them so)",
+        file=KQUANTS,
+        edits=[
+            (
+                "third = (s[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)",
+                "third = (m[:, 4:] & 0xF) | ((s[:, 4:] & 0xF) << 4)",
+            ),
+            ("(p[:, 8:12] & 0xF) | ((p[:, 0:4] >> 6) << 4)", "(p[:, 8:12] >> 4) | ((p[:, 0:4] >> 6) << 4)"),
+            ("(p[:, 8:12] >> 4) | ((p[:, 4:8] >> 6) << 4)", "(p[:, 8:12] & 0xF) | ((p[:, 4:8] >> 6) << 4)"),
+        ],
+    ),
+    dict(
+        problem="q4_k",
+        name="four_bit_scales",
+        mistake="keeps only the low 4 bits of s_4..s_7 and m_4..m_7 (forgets their two top bits)",
+        file=KQUANTS,
+        edits=[
+            ("first = s[:, :4] | ((s[:, 4:] >> 4) << 6)", "first = s[:, :4]"),
+            ("second = m[:, :4] | ((m[:, 4:] >> 4) << 6)", "second = m[:, :4]"),
+        ],
+    ),
+    dict(
+        problem="q4_k",
+        name="adds_the_min",
+        mistake="adds dmin * m_j instead of subtracting it (the mins are stored as positive numbers)",
+        file=KQUANTS,
+        find="x = (d * s)[..., None] * q - (dmin * m)[..., None]",
+        replace="x = (d * s)[..., None] * q + (dmin * m)[..., None]",
+    ),
+    dict(
+        problem="q4_k",
+        name="high_nibble_first",
+        mistake="reads sub-block 2h from the high nibbles and 2h + 1 from the low ones",
+        file=KQUANTS,
+        find="q = torch.stack([qs & 0xF, qs >> 4], dim=2).view(n, 8, 32)",
+        replace="q = torch.stack([qs >> 4, qs & 0xF], dim=2).view(n, 8, 32)",
+    ),
+    dict(
+        problem="q4_k",
+        name="fp16_arithmetic",
+        mistake="computes in float16, the type d and dmin are stored in (products round, large ones overflow)",
+        file=KQUANTS,
+        find="x = (d * s)[..., None] * q - (dmin * m)[..., None]",
+        replace="x = ((d.half() * s.half())[..., None] * q.half() - (dmin.half() * m.half())[..., None]).float()",
     ),
     # ------------------------------------------------------------------ awq
     dict(
