@@ -107,6 +107,7 @@ def check_value_error(what: str, fn) -> None:
 def test_static_cache_update_writes_and_returns_steps_so_far():
     store = StaticKVCache(2, 2, 10, 4, 3, torch.float32, "cpu")
     written, start = [], 0
+    storage = {"keys": store.k.untyped_storage().data_ptr(), "values": store.v.untyped_storage().data_ptr()}
     for T in [4, 1, 3]:
         kv = (torch.randn(2, 2, T, 4), torch.randn(2, 2, T, 3))
         written.append(kv)
@@ -114,10 +115,16 @@ def test_static_cache_update_writes_and_returns_steps_so_far():
         start += T
         what = f"StaticKVCache(S_max=10).update of {T} steps at {start - T}"
         check_store(what, got, written, start)
-        # the cost: the new steps are written into the preallocated storage and what attention reads is
-        # a view of it, never a copy of the whole prefix made again at every step (torch.cat, clone)
-        for name, out, storage in (("keys", got[0], store.k), ("values", got[1], store.v)):
-            assert out.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr(), (
+        # the cost: the new steps are written into the storage allocated at construction (taken before the
+        # first call), and what attention reads is a view of it: never a copy of the whole prefix made again
+        # at every step (torch.cat, clone), whether returned or put in place of the cache's own tensors
+        for name, out, now in (("keys", got[0], store.k), ("values", got[1], store.v)):
+            assert now.untyped_storage().data_ptr() == storage[name], (
+                f"{what}: the cache's {name} are no longer the tensor allocated at construction (replaced by a "
+                f"new one, e.g. torch.cat of the old and the new steps): every step would copy all {start} "
+                "cached steps again; write the new steps into the preallocated tensor in place"
+            )
+            assert out.untyped_storage().data_ptr() == storage[name], (
                 f"{what}: the returned {name} are a new [{', '.join(map(str, out.shape))}] tensor, not a view "
                 f"of the cache: a decode step would copy all {start} cached steps again"
             )

@@ -359,7 +359,7 @@ def test_filters_apply_to_target(setting):
         check_tokens(f"temperature 1, {setting}, seed {seed}", got, expected)
 
 
-@pytest.mark.graded(problem="speculative_verify", points=2)
+@pytest.mark.graded(problem="speculative_verify", points=1)
 def test_verify_drafts_one_round():
     """One round by hand: drafting the target's own greedy tokens accepts all k and adds the bonus;
     a wrong draft at index 2 keeps drafts 0-1 and the target's own token, and rolls the cache back."""
@@ -395,6 +395,40 @@ def test_verify_drafts_one_round():
         assert cache.pos == len(ids) + n - 1, (
             f"{what}: after the round the cache must hold prompt + {n - 1} accepted tokens = "
             f"{len(ids) + n - 1} steps, holds {cache.pos}"
+        )
+
+
+@pytest.mark.graded(problem="speculative_verify", points=1)
+@pytest.mark.parametrize("temperature,top_k", [(1.0, None), (0.7, 5)])
+def test_a_sampled_verify_is_one_forward_too(temperature, top_k):
+    """Sampling changes the accept step, not the cost: the target runs once over [last_token, drafts]
+    whatever the settings, and the cache keeps the context and the n - 1 accepted drafts."""
+    target = tiny_model("gqa")
+    ids = prompt(10, 5)
+    V = target.config.vocab_size
+    drafts = torch.tensor([3, 9, 27, 4])
+    p = torch.softmax(torch.randn(len(drafts), V, generator=torch.Generator().manual_seed(1)), dim=-1)
+    for seed in range(3):
+        cache = target.new_cache(1, 32)
+        with torch.no_grad():
+            target(ids[None, :-1], cache=cache)
+        passes = []
+        hook = target.register_forward_pre_hook(
+            lambda m, args, passes=passes: passes.append(list(args[0].shape))
+        )
+        try:
+            gen = torch.Generator().manual_seed(seed)
+            out = verify_drafts(target, cache, ids[-1:], drafts, p, temperature, top_k, None, gen)
+        finally:
+            hook.remove()
+        what = f"verify_drafts at temperature {temperature}, top_k {top_k}, seed {seed}"
+        assert passes == [[1, len(drafts) + 1]], (
+            f"{what}: the target ran on {passes}; at any temperature a verify pass is one forward over "
+            f"the k + 1 = {len(drafts) + 1} tokens [last_token, drafts] ([[1, {len(drafts) + 1}]])"
+        )
+        assert 1 <= len(out) <= len(drafts) + 1 and cache.pos == len(ids) + len(out) - 1, (
+            f"{what}: emitted {len(out)} tokens, the cache holds {cache.pos} steps; expected "
+            f"{len(ids) + len(out) - 1} (the context and the {len(out) - 1} accepted drafts)"
         )
 
 

@@ -11,6 +11,23 @@ WRONG = [
     # ------------------------------------------------------------------------------------ kv_cache
     dict(
         problem="kv_cache",
+        name="grows_by_concatenation",
+        mistake="grows the cache by concatenation, as Hugging Face's DynamicCache does: every step copies the "
+        "whole prefix into a new tensor that replaces the cache's own (the numbers are right)",
+        file=KV_CACHE,
+        edits=[
+            (
+                "self.k[:, :, start:end] = k",
+                "self.k = torch.cat([self.k[:, :, :start], k, self.k[:, :, end:]], dim=2)",
+            ),
+            (
+                "self.v[:, :, start:end] = v",
+                "self.v = torch.cat([self.v[:, :, :start], v, self.v[:, :, end:]], dim=2)",
+            ),
+        ],
+    ),
+    dict(
+        problem="kv_cache",
         name="returns_a_grown_copy",
         mistake="the right numbers at the wrong cost: writes the new steps but returns the prefix "
         "concatenated with them (torch.cat), a new tensor of every cached step made again at each decode step",

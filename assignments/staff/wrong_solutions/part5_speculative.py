@@ -66,6 +66,16 @@ WRONG = [
     # ------------------------------------------------------------------ speculative_verify
     dict(
         problem="speculative_verify",
+        name="per_token_forwards_when_sampling",
+        mistake="one target forward over the k + 1 tokens when greedy, but one forward per token when sampling "
+        "(the same numbers, k + 1 reads of the weights)",
+        file=FILE,
+        find="logits = target(ids, cache=cache)[0]  # [k + 1, V]",
+        replace="logits = target(ids, cache=cache)[0] if temperature == 0.0 else torch.cat(\n"
+        "        [target(ids[:, i : i + 1], cache=cache)[0] for i in range(k + 1)])  # [k + 1, V]",
+    ),
+    dict(
+        problem="speculative_verify",
         name="one_forward_per_draft",
         mistake="the right tokens at the wrong cost: runs the target once per position (k + 1 one-token "
         "cached forwards) instead of one pass over [last_token, drafts], so a round costs k + 1 decode "
