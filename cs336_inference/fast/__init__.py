@@ -8,7 +8,9 @@ Nothing in the model imports this package. A loaded model gets the fast path by 
 
 and `scripts/generate.py`, `scripts/serve.py` and `scripts/benchmark.py` make that call by default
 (`--eager` opts out). An installed layer computes the same function as the readable one: it runs a
-kernel for the shapes the kernels handle and falls back to the readable forward otherwise.
+kernel for the shapes the kernels handle and falls back to the readable forward otherwise. The one
+exception is llama.cpp's Q5_0 / Q4_K / Q6_K layers, which multiply as llama.cpp does, with x in 8-bit
+blocks (quantization/k8.py: the readable statement of that arithmetic, which the kernel equals).
 
 Decode reads every weight once per step for a few FLOPs per byte, so its speed is bytes over
 bandwidth, and a product must (1) read the stored weight (int8, int4, llama.cpp blocks) without
@@ -18,7 +20,7 @@ verification, a small batch) against one read of the weight. The readable refere
 bitwise independent of how many rows share the call.
 
 cpu/        products of 1..32 rows in C (decode.c: fp32, int8, int4, Q8_0/Q4_0/Q4_1 weights, int8 x int8,
-            4/8-bit blocks x Q8_0 activations; amx.c: int8/int4 on Intel AMX tiles, opt-in), built on
+            4/8-bit blocks x Q8_0 activations, Q5_0/Q4_K/Q6_K x 8-bit activations; amx.c: int8/int4 on Intel AMX tiles, opt-in), built on
             first use with gcc (build.py), called through ctypes (ops.py); native.cpp: the same ops as
             C++ bodies for a compiled step. No compiler, a failed build or CS336_KERNELS=0: the
             readable path runs.

@@ -28,7 +28,9 @@
 
    llm_int8 / w8a8 layers (int8 weights times int8 activations, quantized per row) have their own
    kernel near the end of the file: exact int32 products with AVX512-VNNI; so do the _a8 methods
-   (int4, Q8_0, Q4_0 weights times x in Q8_0 blocks, `cs336_a8`: exact block sums with AVX2). With CS336_KERNELS_AMX=1,
+   (int4, Q8_0, Q4_0 weights times x in Q8_0 blocks, `cs336_a8`: exact block sums with AVX2), and
+   llama.cpp's Q5_0, Q4_K and Q6_K (`cs336_kq`: x in Q8_0 / Q8_K blocks, integer sums per block on
+   the packed bytes, equal bit for bit to quantization/k8.py). With CS336_KERNELS_AMX=1,
    int4 and int8 products go to amx.c's tile kernels instead (same numbers to fp32 rounding).
 
    The column-major fp32 kernel (W^T stored [I, O], how layers.Linear keeps its weight) adds
@@ -1159,6 +1161,419 @@ void cs336_a8(int fmt, const float *x, i64 M, i64 I, i64 ldx, const uint8_t *w, 
     }
     free(qx);
     free(dx);
+}
+
+/* ------------------------------------------------------------------ Q5_0, Q4_K, Q6_K x 8-bit activations
+
+   llama.cpp's products for the formats of its Q4_K_M files, with quantization/k8.py as the readable
+   reference (bit for bit). x is quantized once per call, row by row, and every block's dot product
+   is a sum of integers:
+
+     Q4_K, Q6_K  x in Q8_K blocks of 256: iscale = -127 / (the x of largest |x|), q_x = min(127,
+                 round-half-even(iscale x)), d_x = 1 / iscale; and the sums of q_x per 16 and per 32
+     Q5_0        x in Q8_0 blocks of 32 (a8_quantize_x), and the sum of each block's q_x
+
+   Per x row and weight row, over the weight's blocks b in order, in float32 (one rounding per
+   operation; the file is compiled with -ffp-contract=off and no fma is written here):
+
+     Q5_0  S = sum_k q q_x - 16 sum_k q_x                           acc = acc + (float)S * (d d_x)
+     Q4_K  S = sum_j s_j sum_k q q_x,  T = sum_j m_j sum_k q_x      acc = acc + ((float)S * (d d_x)
+                                                                                 - (float)T * (dmin d_x))
+     Q6_K  S = sum_j s_j (sum_k q q_x - 32 sum_k q_x)               acc = acc + (float)S * (d d_x)
+
+   q is the stored unsigned integer (5, 4 or 6 bits): the offsets 16 and 32 (and Q4_K's mins) come
+   out through x's sums, so every product is an unsigned weight byte times a signed x byte, which
+   is what vpmaddubsw multiplies: 32 byte products added in pairs into 16-bit numbers (at most
+   2 * 63 * 127, exact), then vpmaddwd times the sub-block's scale (Q4_K, Q6_K) or times 1 (Q5_0; with
+   AVX512-VNNI one vpdpbusd does both) into 8 int32 lanes. The scales are unpacked once per block
+   and weight row (Q4_K's twelve bytes of 6-bit numbers a 32-bit word at a time) and spread over the
+   lanes by a byte shuffle. A tile is 4 weight rows x up to KQ_ROWS x rows (4 with AVX-512's 32
+   registers, else 2), each weight block decoded once for all of them: every (x row, weight row)
+   pair keeps one 8-lane integer sum over a block; per two x rows the 8 sums are added across their
+   lanes into one vector (`kq_sum8`: lane 4 r + j is pair (r, j)) and the float steps above run on
+   the 8 pairs at once. The integer sums are exact, so no pair's numbers depend on the lanes beside
+   it: a row's result is bitwise independent of M, and the plain C loops give the same bits.
+
+   Measured on this file's AMD EPYC (Zen 5, one thread, one x row, a 4096 x 2048 weight): Q4_K 41,
+   Q6_K 41, Q5_0 30 G multiply-adds/s, where the float kernels above run Q4_0 37 and Q8_0 35; at 8 x
+   rows 82, 72 and 58 against 88 and 90. */
+
+enum { FMT_Q5_0 = 8, FMT_Q4_K = 9, FMT_Q6_K = 10 }; /* step.c's fp32 codes are 0, 6 and 7 */
+
+static inline int kq_block_weights(int fmt) { return fmt == FMT_Q5_0 ? 32 : 256; }
+static inline int kq_block_bytes(int fmt) { return fmt == FMT_Q5_0 ? 22 : fmt == FMT_Q4_K ? 144 : 210; }
+
+static inline uint32_t read_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* x quantized for one call: q [M, I], d [M, I / block], sum16 [M, I / 16] and sum32 [M, I / 32] */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int16_t *sum16, *sum32;
+} KqX;
+
+/* x's M rows as Q8_K blocks of 256 (quantize_row_q8_K_ref's numbers) */
+static void q8_k_quantize_x(const float *x, i64 M, i64 I, i64 ldx, int8_t *qx, float *dx) {
+    for (i64 m = 0; m < M; m++)
+        for (i64 b = 0; b < I / 256; b++) {
+            const float *xb = x + m * ldx + 256 * b;
+            int8_t *q = qx + m * I + 256 * b;
+            float amax = 0.f, top = 0.f;
+            for (int k = 0; k < 256; k++) /* the first x of largest |x|, with its sign */
+                if (fabsf(xb[k]) > amax) amax = fabsf(xb[k]), top = xb[k];
+            if (amax == 0.f) {
+                memset(q, 0, 256);
+                dx[m * (I / 256) + b] = 0.f;
+                continue;
+            }
+            const float iscale = -127.f / top;
+            for (int k = 0; k < 256; k++) { /* |iscale x| <= 127 up to rounding: only the top can pass it */
+                float v = nearbyintf(iscale * xb[k]);
+                q[k] = (int8_t)(v > 127.f ? 127.f : v);
+            }
+            dx[m * (I / 256) + b] = 1.f / iscale;
+        }
+}
+
+static KqX kq_quantize_x(int fmt, const float *x, i64 M, i64 I, i64 ldx) {
+    KqX X;
+    X.q = (int8_t *)malloc((size_t)(M * I));
+    X.d = (float *)malloc(sizeof(float) * (size_t)(M * (I / kq_block_weights(fmt))));
+    X.sum16 = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * (I / 16)));
+    X.sum32 = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * (I / 32)));
+    if (fmt == FMT_Q5_0)
+        a8_quantize_x(x, M, I, ldx, 0, X.q, X.d);
+    else
+        q8_k_quantize_x(x, M, I, ldx, X.q, X.d);
+    for (i64 i = 0; i < M * (I / 16); i++) { /* at most 16 * 127 and 32 * 127: int16 */
+        int s = 0;
+        for (int k = 0; k < 16; k++) s += X.q[16 * i + k];
+        X.sum16[i] = (int16_t)s;
+    }
+    for (i64 i = 0; i < M * (I / 32); i++) X.sum32[i] = (int16_t)(X.sum16[2 * i] + X.sum16[2 * i + 1]);
+    return X;
+}
+
+static void kq_free_x(KqX *X) {
+    free(X->q);
+    free(X->d);
+    free(X->sum16);
+    free(X->sum32);
+}
+
+/* Q4_K's 12 bytes of 6-bit numbers (kquants.pack_scales_mins): the 8 scales s_j and 8 mins m_j */
+static inline void q4_k_scales(const uint8_t *k, uint8_t s[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        s[j] = k[j] & 63, mn[j] = k[4 + j] & 63;
+        s[4 + j] = (uint8_t)((k[8 + j] & 0x0f) | ((k[j] >> 6) << 4));
+        mn[4 + j] = (uint8_t)((k[8 + j] >> 4) | ((k[4 + j] >> 6) << 4));
+    }
+}
+
+/* weight k (0..31) of a Q5_0 block: its nibble (low nibbles are weights 0-15) and bit k of qh above */
+static inline int q5_0_q(const uint8_t *p, int k) {
+    int nib = k < 16 ? p[6 + k] & 0x0f : p[6 + k - 16] >> 4;
+    return nib | (int)(((read_u32(p + 2) >> k) & 1) << 4);
+}
+
+/* weight i (0..255) of a Q6_K super-block: in each half of 128, ql byte l holds weights l (low
+   nibble) and 64 + l (high), ql byte 32 + l weights 32 + l and 96 + l; qh byte l the top two bits of
+   weights l, 32 + l, 64 + l, 96 + l */
+static inline int q6_k_q(const uint8_t *p, int i) {
+    int n = i / 128, t = (i % 128) / 32, l = i % 32;
+    int ql = p[64 * n + 32 * (t & 1) + l], qh = p[128 + 32 * n + l];
+    return ((t < 2 ? ql & 0x0f : ql >> 4) | (((qh >> (2 * t)) & 3) << 4));
+}
+
+#ifdef CS336_AVX2
+/* lane 4 r + j: the 8 int32 lanes of v[r][j] added (r < 2, j < 4), exact; rows = 1: v[0]'s sums in
+   both halves (v[1] unused) */
+static inline __m256i kq_sum8(const __m256i v[2][4], int rows) {
+    __m256i u[2];
+    for (int r = 0; r < rows; r++) { /* u[r]: per 128-bit half, the four vectors' half sums */
+        __m256i t01 = _mm256_add_epi32(_mm256_unpacklo_epi32(v[r][0], v[r][1]), _mm256_unpackhi_epi32(v[r][0], v[r][1]));
+        __m256i t23 = _mm256_add_epi32(_mm256_unpacklo_epi32(v[r][2], v[r][3]), _mm256_unpackhi_epi32(v[r][2], v[r][3]));
+        u[r] = _mm256_add_epi32(_mm256_unpacklo_epi64(t01, t23), _mm256_unpackhi_epi64(t01, t23));
+    }
+    if (rows == 1) return _mm256_add_epi32(u[0], _mm256_permute2x128_si256(u[0], u[0], 0x01));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u[0], u[1], 0x20), _mm256_permute2x128_si256(u[0], u[1], 0x31));
+}
+
+/* lane 4 r + j: the 4 int32 lanes of half r of a[j] added (a[j] holds one x row's partial sums in its
+   low half, the other's in its high half) */
+static inline __m256i kq_sum4x2(const __m256i a[4]) {
+    __m256i t01 = _mm256_add_epi32(_mm256_unpacklo_epi32(a[0], a[1]), _mm256_unpackhi_epi32(a[0], a[1]));
+    __m256i t23 = _mm256_add_epi32(_mm256_unpacklo_epi32(a[2], a[3]), _mm256_unpackhi_epi32(a[2], a[3]));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(t01, t23), _mm256_unpackhi_epi64(t01, t23));
+}
+
+/* lane 4 r + j: d_w[j] * d_x[r], x rows r = 0, 1 (dx0, dx1) */
+static inline __m256 kq_scales(__m128 dw, float dx0, float dx1) {
+    return _mm256_mul_ps(_mm256_set_m128(dw, dw), _mm256_set_m128(_mm_set1_ps(dx1), _mm_set1_ps(dx0)));
+}
+
+/* the four fp16 numbers at p[j] + off as floats */
+static inline __m128 kq_halves(const uint8_t *const p[4], int off) {
+    return _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, (short)read_u16(p[3] + off), (short)read_u16(p[2] + off),
+                                      (short)read_u16(p[1] + off), (short)read_u16(p[0] + off)));
+}
+
+/* 16-bit lane k (k < 8) of each 128-bit half of v in all lanes of that half */
+static inline __m256i kq_splat16(__m256i v, int k) {
+    return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 + 0x0202 * k)));
+}
+
+/* sum_k w_k x_k over 32 unsigned weight bytes and 32 signed x bytes, as 8 int32 lanes */
+static inline __m256i kq_dot(__m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+
+/* a Q5_0 block's 32 weights q (0..31) as bytes: nibbles, and 16 where bit k of qh is set */
+static inline __m256i q5_0_weights(const uint8_t *p) {
+    /* the 16 bytes in both halves, the high half shifted down by a nibble: weights 0-15, then 16-31 */
+    const __m256i n = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + 6)));
+    __m256i q = _mm256_and_si256(_mm256_blend_epi32(n, _mm256_srli_epi16(n, 4), 0xf0), _mm256_set1_epi8(0x0f));
+    uint32_t qh = read_u32(p + 2);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_mask_add_epi8(q, (__mmask32)qh, q, _mm256_set1_epi8(16)); /* + 16 where bit k is set */
+#else
+    /* byte k <- byte k / 8 of qh, keep bit k % 8, widen to 16 */
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i h = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread);
+    h = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(16));
+    return _mm256_or_si256(q, h);
+#endif
+}
+
+/* Q4_K's 12 bytes of 6-bit numbers as 16 bytes: the scales s_0..s_7, then the mins m_0..m_7 (a word
+   at a time: the top 2 bits of bytes 0-3 and 4-7 go above the low nibbles of bytes 8-11) */
+static inline __m128i q4_k_scales_mins(const uint8_t *k) {
+    const uint32_t a = read_u32(k), b = read_u32(k + 4), c = read_u32(k + 8);
+    const uint32_t s_lo = a & 0x3f3f3f3f, s_hi = (c & 0x0f0f0f0f) | ((a >> 2) & 0x30303030);
+    const uint32_t m_lo = b & 0x3f3f3f3f, m_hi = ((c >> 4) & 0x0f0f0f0f) | ((b >> 2) & 0x30303030);
+    return _mm_set_epi32((int)m_hi, (int)m_lo, (int)s_hi, (int)s_lo);
+}
+#endif
+
+/* Rows of x per tile: 4 with AVX-512's 32 vector registers (16 integer sums live), else 2 */
+#if defined(CS336_AVX2) && VL == 16
+#define KQ_ROWS 4
+#else
+#define KQ_ROWS 2
+#endif
+
+/* s[r][j] = y[m0 + r, row j] without bias, for R <= KQ_ROWS rows of x and the 4 weight rows at row[j] */
+static inline __attribute__((always_inline)) void kq_tile(int fmt, const uint8_t *const row[4], const KqX *X, i64 m0,
+                                                           i64 I, int R, i64 ahead, int one_stream, float s[][4]) {
+    const int bw = kq_block_weights(fmt), bb = kq_block_bytes(fmt);
+    const i64 nb = I / bw, n16 = I / 16, n32 = I / 32;
+    const int8_t *qx = X->q + m0 * I;
+    const float *dx = X->d + m0 * nb;
+    const int16_t *sum16 = X->sum16 + m0 * n16, *sum32 = X->sum32 + m0 * n32;
+#ifdef CS336_AVX2
+    /* x rows in pairs (lanes 0-3 and 4-7 of a float vector); an odd last row is paired with itself */
+    const int G = (R + 1) / 2;
+    int rr[KQ_ROWS]; /* the x row whose numbers lane group r takes */
+    for (int r = 0; r < KQ_ROWS; r++) rr[r] = r < R ? r : R - 1;
+    __m256 acc[KQ_ROWS / 2];
+    for (int g = 0; g < KQ_ROWS / 2; g++) acc[g] = _mm256_setzero_ps();
+    for (i64 b = 0; b < nb; b++) {
+        prefetch_tile(row, 4, one_stream, ahead, b * bb, bb);
+        const uint8_t *p[4];
+        for (int j = 0; j < 4; j++) p[j] = row[j] + b * bb;
+        __m256i v[KQ_ROWS][4]; /* pair (r, j): 8 int32 partial sums over the block */
+        for (int r = 0; r < KQ_ROWS; r++)
+            for (int j = 0; j < 4; j++) v[r][j] = _mm256_setzero_si256();
+        __m256i S[KQ_ROWS / 2], T[KQ_ROWS / 2];
+        __m128 dw, dm = _mm_setzero_ps();
+        if (fmt == FMT_Q5_0) {
+            dw = kq_halves(p, 0);
+            for (int j = 0; j < 4; j++) {
+                const __m256i w = q5_0_weights(p[j]);
+                for (int r = 0; r < R; r++)
+                    v[r][j] = kq_dot(w, _mm256_loadu_si256((const __m256i *)(qx + r * I + 32 * b)));
+            }
+            for (int g = 0; g < G; g++) { /* minus 16 sum_k q_x: lane 4 r + j holds x row r's block sum */
+                const __m256i xs = _mm256_set_m128i(_mm_set1_epi32(sum32[rr[2 * g + 1] * n32 + b]),
+                                                    _mm_set1_epi32(sum32[rr[2 * g] * n32 + b]));
+                S[g] = _mm256_sub_epi32(kq_sum8((const __m256i(*)[4])(v + 2 * g), R - 2 * g >= 2 ? 2 : 1), _mm256_slli_epi32(xs, 4));
+            }
+        } else if (fmt == FMT_Q4_K) {
+            dw = kq_halves(p, 0), dm = kq_halves(p, 2);
+            __m256i sc[4];  /* row j's 8 scales as 16-bit numbers, in both 128-bit halves */
+            __m128i mn[4];  /* row j's 8 mins as 16-bit numbers */
+            for (int j = 0; j < 4; j++) {
+                const __m256i sm = _mm256_cvtepu8_epi16(q4_k_scales_mins(p[j] + 4));
+                sc[j] = _mm256_permute4x64_epi64(sm, 0x44), mn[j] = _mm256_extracti128_si256(sm, 1);
+            }
+            const __m256i mask = _mm256_set1_epi8(0x0f);
+            for (int h = 0; h < 4; h++) /* 64 weights: sub-block 2h in the low nibbles, 2h + 1 in the high */
+                for (int j = 0; j < 4; j++) {
+                    const __m256i n = _mm256_loadu_si256((const __m256i *)(p[j] + 16 + 32 * h));
+                    const __m256i lo = _mm256_and_si256(n, mask), hi = _mm256_and_si256(_mm256_srli_epi16(n, 4), mask);
+                    const __m256i slo = kq_splat16(sc[j], 2 * h), shi = kq_splat16(sc[j], 2 * h + 1);
+                    for (int r = 0; r < R; r++) {
+                        const int8_t *xr = qx + r * I + 256 * b + 64 * h;
+                        __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xr)), slo);
+                        __m256i c = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xr + 32))), shi);
+                        v[r][j] = _mm256_add_epi32(v[r][j], _mm256_add_epi32(a, c));
+                    }
+                }
+            for (int g = 0; g < G; g++) {
+                S[g] = kq_sum8((const __m256i(*)[4])(v + 2 * g), R - 2 * g >= 2 ? 2 : 1);
+                /* T: the 8 mins times x row r's 8 sums of 32 (16-bit products added in pairs), the
+                   group's two rows in the two halves */
+                const __m256i xs = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(sum32 + rr[2 * g + 1] * n32 + 8 * b)),
+                                                    _mm_loadu_si128((const __m128i *)(sum32 + rr[2 * g] * n32 + 8 * b)));
+                __m256i t[4];
+                for (int j = 0; j < 4; j++) t[j] = _mm256_madd_epi16(_mm256_set_m128i(mn[j], mn[j]), xs);
+                T[g] = kq_sum4x2(t);
+            }
+        } else { /* FMT_Q6_K */
+            dw = kq_halves(p, 208);
+            const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+            for (int j = 0; j < 4; j++) {
+                /* minus 32 sum_j s_j sum_k q_x: the 16 scales times x row r's 16 sums of 16 */
+                const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p[j] + 192)));
+                for (int r = 0; r < R; r++) {
+                    const __m256i xs = _mm256_loadu_si256((const __m256i *)(sum16 + r * n16 + 16 * b));
+                    v[r][j] = _mm256_sub_epi32(v[r][j], _mm256_slli_epi32(_mm256_madd_epi16(sc, xs), 5));
+                }
+            }
+            for (int n = 0; n < 2; n++) /* a half of 128 weights */
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t *ph = p[j] + 64 * n;
+                    const __m256i ql0 = _mm256_loadu_si256((const __m256i *)ph), ql1 = _mm256_loadu_si256((const __m256i *)(ph + 32));
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(p[j] + 128 + 32 * n));
+                    /* the half's 8 scales as 16-bit numbers, in both 128-bit halves */
+                    const __m256i s8 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(p[j] + 192 + 8 * n))));
+                    __m256i q[4]; /* weights 32 t .. 32 t + 31 of the half: a nibble and two top bits */
+                    q[0] = _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top));
+                    q[1] = _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top));
+                    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, top));
+                    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), _mm256_and_si256(_mm256_srli_epi16(qh, 2), top));
+                    for (int t = 0; t < 4; t++) { /* sub-block 2t in the low 16 bytes, 2t + 1 in the high */
+                        const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)(0x0100 + 0x0202 * (2 * t + 1))),
+                                                              _mm_set1_epi16((short)(0x0100 + 0x0202 * (2 * t))));
+                        const __m256i sc = _mm256_shuffle_epi8(s8, pick);
+                        for (int r = 0; r < R; r++) {
+                            const __m256i xq = _mm256_loadu_si256((const __m256i *)(qx + r * I + 256 * b + 128 * n + 32 * t));
+                            v[r][j] = _mm256_add_epi32(v[r][j], _mm256_madd_epi16(_mm256_maddubs_epi16(q[t], xq), sc));
+                        }
+                    }
+                }
+            for (int g = 0; g < G; g++) S[g] = kq_sum8((const __m256i(*)[4])(v + 2 * g), R - 2 * g >= 2 ? 2 : 1);
+        }
+        for (int g = 0; g < G; g++) { /* the float steps of the module comment, 8 pairs at once */
+            const float dx0 = dx[rr[2 * g] * nb + b], dx1 = dx[rr[2 * g + 1] * nb + b];
+            __m256 term = _mm256_mul_ps(_mm256_cvtepi32_ps(S[g]), kq_scales(dw, dx0, dx1));
+            if (fmt == FMT_Q4_K) term = _mm256_sub_ps(term, _mm256_mul_ps(_mm256_cvtepi32_ps(T[g]), kq_scales(dm, dx0, dx1)));
+            acc[g] = _mm256_add_ps(acc[g], term);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float out[8];
+        _mm256_storeu_ps(out, acc[g]);
+        for (int r = 2 * g; r < R && r < 2 * g + 2; r++)
+            for (int j = 0; j < 4; j++) s[r][j] = out[4 * (r - 2 * g) + j];
+    }
+#else
+    (void)ahead, (void)one_stream;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) {
+            float acc = 0.f;
+            for (i64 b = 0; b < nb; b++) {
+                const uint8_t *p = row[j] + b * bb;
+                const int8_t *xq = qx + r * I + bw * b;
+                const float d_x = dx[r * nb + b];
+                int32_t S = 0, T = 0;
+                float term;
+                if (fmt == FMT_Q5_0) {
+                    for (int k = 0; k < 32; k++) S += q5_0_q(p, k) * xq[k];
+                    S -= 16 * sum32[r * n32 + b];
+                    term = (float)S * (half_to_float(read_u16(p)) * d_x);
+                } else if (fmt == FMT_Q4_K) {
+                    uint8_t sc[8], mn[8];
+                    q4_k_scales(p + 4, sc, mn);
+                    for (int sub = 0; sub < 8; sub++) {
+                        int32_t dot = 0;
+                        for (int k = 0; k < 32; k++) { /* sub-block 2h: the low nibbles of bytes 32h..32h+31 */
+                            const uint8_t byte = p[16 + 32 * (sub / 2) + k];
+                            dot += (sub % 2 ? byte >> 4 : byte & 0x0f) * xq[32 * sub + k];
+                        }
+                        S += sc[sub] * dot;
+                        T += mn[sub] * sum32[r * n32 + 8 * b + sub];
+                    }
+                    term = (float)S * (half_to_float(read_u16(p)) * d_x) - (float)T * (half_to_float(read_u16(p + 2)) * d_x);
+                } else {
+                    for (int sub = 0; sub < 16; sub++) {
+                        int32_t dot = 0;
+                        for (int k = 0; k < 16; k++) dot += q6_k_q(p, 16 * sub + k) * xq[16 * sub + k];
+                        dot -= 32 * sum16[r * n16 + 16 * b + sub];
+                        S += (int8_t)p[192 + sub] * dot;
+                    }
+                    term = (float)S * (half_to_float(read_u16(p + 208)) * d_x);
+                }
+                acc = acc + term;
+            }
+            s[r][j] = acc;
+        }
+#endif
+}
+
+/* kq_tile with R a constant (the loops over rows unrolled) */
+static inline __attribute__((always_inline)) void kq_rows(int fmt, const uint8_t *const row[4], const KqX *X, i64 m0,
+                                                           i64 I, int R, i64 ahead, int one_stream, float s[][4]) {
+    if (R == 1)
+        kq_tile(fmt, row, X, m0, I, 1, ahead, one_stream, s);
+#if KQ_ROWS == 4
+    else if (R == 3)
+        kq_tile(fmt, row, X, m0, I, 3, ahead, one_stream, s);
+    else if (R == 4)
+        kq_tile(fmt, row, X, m0, I, 4, ahead, one_stream, s);
+#endif
+    else
+        kq_tile(fmt, row, X, m0, I, 2, ahead, one_stream, s);
+}
+
+/* fmt: FMT_Q5_0, FMT_Q4_K or FMT_Q6_K; w: the raw blocks [O, I / block * bytes]; M <= MAX_M */
+void cs336_kq(int fmt, const float *x, i64 M, i64 I, i64 ldx, const uint8_t *w, i64 O, const float *bias, float *y,
+              int threads) {
+    const i64 row_bytes = I / kq_block_weights(fmt) * kq_block_bytes(fmt);
+    KqX X = kq_quantize_x(fmt, x, M, I, ldx);
+    const i64 tiles = (O + 3) / 4, ahead = PREFETCH_ROWS * row_bytes;
+    const int one_stream = row_bytes <= ONE_STREAM;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (i64 t = 0; t < tiles; t++) {
+        i64 o = 4 * t;
+        int J = O - o < 4 ? (int)(O - o) : 4;
+        const uint8_t *row[4];
+        for (int j = 0; j < 4; j++) row[j] = w + (o + (j < J ? j : 0)) * row_bytes; /* a short last tile repeats a row */
+        float s[KQ_ROWS][4];
+        for (i64 m = 0; m < M; m += KQ_ROWS) {
+            const int R = M - m >= KQ_ROWS ? KQ_ROWS : (int)(M - m);
+            if (fmt == FMT_Q5_0)
+                kq_rows(FMT_Q5_0, row, &X, m, I, R, ahead, one_stream, s);
+            else if (fmt == FMT_Q4_K)
+                kq_rows(FMT_Q4_K, row, &X, m, I, R, ahead, one_stream, s);
+            else
+                kq_rows(FMT_Q6_K, row, &X, m, I, R, ahead, one_stream, s);
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < J; j++) y[(m + r) * O + o + j] = bias ? s[r][j] + bias[o + j] : s[r][j];
+        }
+    }
+    kq_free_x(&X);
 }
 
 /* ------------------------------------------------------------------ e^x, VL numbers at a time

@@ -8,6 +8,11 @@ Under torch.compile (fast/step/fixed.py compiles the fixed-shape decode step) th
 through the ops `cs336::linear_f32`, `cs336::quantized` and `cs336::llm_int8`, which the compiler keeps as
 opaque calls (ctypes and data pointers cannot be traced); eagerly the C function is called directly,
 since a custom op's dispatch costs more than the call itself.
+
+Q5_0, Q4_K and Q6_K layers multiply with 8-bit activations as llama.cpp does (`k8_layer`, decode.c's
+cs336_kq, equal bit for bit to quantization/k8.py's k8_linear, which FastQuantizedLinear runs where the
+kernel declines); they have no compiled op, so a compiled step traces k8_linear, and the native step
+(step.c) does not take them.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ MAX_ROWS = 32  # more fp32 rows (prefill) stay on BLAS; 32 = MAX_M of decode.c
 # prompts (docs/kernels.md: the measurement and its snippet).
 QUANTIZED_MAX_ROWS = 96
 GGML = {"q8_0": 3, "q4_0": 4, "q4_1": 5}  # the format codes of decode.c
+# Q5_0, Q4_K and Q6_K always multiply with 8-bit activations, as llama.cpp does (decode.c's cs336_kq,
+# equal bit for bit to quantization/k8.py's k8_linear). Not in FORMAT_CODES: step.c does not take
+# them, so the native step declines these layers and the eager layers run (codes 8-10 are free there).
+K8_CODES = {"q5_0": 8, "q4_k": 9, "q6_k": 10}
 
 
 def _rows(x: Tensor, d_in: int, needs_grad: bool, max_rows: int = MAX_ROWS) -> tuple[Tensor, int, int] | None:
@@ -215,8 +224,16 @@ def _fake_linear_f32(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+def k8_layer(layer) -> bool:
+    """Whether the fast path multiplies this layer with 8-bit activations (quantization/k8.py): a
+    Q5_0, Q4_K or Q6_K layer on the CPU, as llama.cpp always does."""
+    return layer.fmt in K8_CODES and layer.activations is None and layer.qweight.device.type == "cpu"
+
+
 def quantized_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"] | None:
-    """FastQuantizedLinear's product: y = x dequantize(stored)^T + b from the stored bytes (None: declined)."""
+    """FastQuantizedLinear's product: y = x dequantize(stored)^T + b from the stored bytes (None: declined).
+    Layers with 8-bit activations (Q8_0 blocks: layer.activations; Q5_0 / Q4_K / Q6_K: `k8_layer`)
+    give their reference's numbers instead (quantization/a8.py, k8.py)."""
     q = layer.qweight
     if q.device.type != "cpu":  # the GPU path (fast/gpu/products.py) needs no build
         cuda = q.device.type == "cuda" and build.enabled() and layer.activations is None
@@ -225,15 +242,18 @@ def quantized_linear(layer, x: Float[Tensor, "... I"]) -> Float[Tensor, "... O"]
     if lib is None:
         return None
     compiling = torch.compiler.is_compiling()  # the compiled ops take up to MAX_ROWS rows
-    # Q8_0 activations have no BLAS path (their products are integer sums): every prompt length
-    limit = MAX_ROWS if compiling else QUANTIZED_MAX_ROWS if layer.activations is None else 1 << 62
+    # 8-bit activations have no BLAS path (their products are integer sums): every prompt length
+    integer = layer.activations is not None or k8_layer(layer)
+    limit = MAX_ROWS if compiling else 1 << 62 if integer else QUANTIZED_MAX_ROWS
     rows = _rows(x, layer.d_in, False, limit)
     fmt, bias = layer.fmt, layer.bias
-    if rows is None or (bias is not None and bias.dtype != torch.float32) or fmt not in FORMAT_CODES:
+    if rows is None or (bias is not None and bias.dtype != torch.float32):
+        return None
+    if fmt not in FORMAT_CODES and not k8_layer(layer):
         return None
     if fmt == "int4" and layer.scale.dtype != torch.float16:
         return None
-    if layer.activations is not None and compiling:  # no compiled op for these: the reference is traced
+    if integer and compiling:  # no compiled op for these: the reference is traced
         return None
     siblings = getattr(layer, "siblings", None)  # q/k/v or gate/up as one product (fast/step/fuse.py)
     if siblings is not None:
@@ -259,8 +279,10 @@ def _quantized_rows(
     lib, x_ptr, M, d_in, ldx, q, scale, zero, bias, fmt: str, d_out: int, y_ptr, threads, a8: bool = False
 ) -> None:
     """One C call on M <= MAX_ROWS rows: x and y as data pointers, bias a data pointer or None; a8:
-    x in Q8_0 blocks (quantization/a8.py)."""
-    if a8:
+    x in Q8_0 blocks (quantization/a8.py); q5_0 / q4_k / q6_k: x in 8-bit blocks (k8.py)."""
+    if fmt in K8_CODES:
+        _kq(lib)(K8_CODES[fmt], x_ptr, M, d_in, ldx, q.data_ptr(), d_out, bias, y_ptr, threads)
+    elif a8:
         groups = scale.shape[1] if fmt == "int4" else 0
         lib.cs336_a8(
             FORMAT_CODES[fmt], x_ptr, M, d_in, ldx, q.data_ptr(), scale.data_ptr() if groups else None,
@@ -286,6 +308,15 @@ def _quantized_rows(
         )  # fmt: skip
     else:
         lib.cs336_ggml(GGML[fmt], x_ptr, M, d_in, ldx, q.data_ptr(), d_out, bias, y_ptr, threads)
+
+
+def _kq(lib):
+    """decode.c's cs336_kq with its argument types (declared here on first use: build.py predates it)."""
+    fn = lib.cs336_kq
+    if fn.argtypes is None:
+        i64, p = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes, fn.restype = [ctypes.c_int, p, i64, i64, i64, p, i64, p, p, ctypes.c_int], None
+    return fn
 
 
 FORMAT_CODES = {"int8": 1, "int4": 2, **GGML}
