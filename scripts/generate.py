@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations")
     p.add_argument(
+        "--packed",
+        action="store_true",
+        help="a GGUF's quantized matrices kept as the file stores them, multiplied by the kernels as llama.cpp "
+        "does (about the file's size in memory; default: dequantized to --dtype)",
+    )
+    p.add_argument(
         "--device",
         default="cpu",
         choices=["cpu", "cuda"],
@@ -314,7 +320,9 @@ def run(args: argparse.Namespace) -> int:
 
             model = load_sharded(source, dtype=getattr(torch, args.dtype), device=device)
         else:
-            model = load_pretrained(source, dtype=getattr(torch, args.dtype), device=device)
+            model = load_pretrained(
+                source, dtype=getattr(torch, args.dtype), device=device, packed=args.packed
+            )
         tokenizer = load_tokenizer(source)
     except (ValueError, OSError, ConfigError) as e:  # CheckpointError is a ValueError
         raise UsageError(f"cannot load model {args.model or 'SmolLM2-135M-Instruct'}: {e}") from None

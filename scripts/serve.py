@@ -44,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share prompt-prefix blocks")
     p.add_argument(
+        "--packed",
+        action="store_true",
+        help="a GGUF's quantized matrices kept as the file stores them (default: dequantized to --dtype)",
+    )
+    p.add_argument(
         "--static-batching",
         action="store_true",
         help="admit a new batch only when the last has finished (the baseline, for benchmarks)",
@@ -142,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
 
             model = load_sharded(source, dtype=getattr(torch, args.dtype), device=device)
         else:
-            model = load_pretrained(source, dtype=getattr(torch, args.dtype), device=device).eval()
+            model = load_pretrained(
+                source, dtype=getattr(torch, args.dtype), device=device, packed=args.packed
+            )
+            model = model.eval()
         if args.quantize:
             from cs336_inference.quantization import quantize_model
 
