@@ -81,9 +81,10 @@ def test_gemma3_gguf_logits_match_transformers(gemma):
 
 
 @pytest.mark.slow
-def test_cli_runs_gemma3_by_package_name():
+@pytest.mark.parametrize("mode", ["--eager", "--packed"])  # packed: Q4_K / Q6_K / Q5_0 through the kernels
+def test_cli_runs_gemma3_by_package_name(mode):
     out = subprocess.run(
-        [sys.executable, "scripts/generate.py", "--model", PACKAGE, "--eager", "--max-new-tokens", "3", QUESTION],
+        [sys.executable, "scripts/generate.py", "--model", PACKAGE, mode, "--max-new-tokens", "3", QUESTION],
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
