@@ -81,9 +81,18 @@ def test_kv_heads_split_or_replicate():
         range(1, 2),
         range(1, 2),
     ], "K = 2 over 4 ranks: ranks 0, 1 (query heads 0..3) read K/V head 0; ranks 2, 3 head 1"
-    for K, tp in [(6, 4), (3, 2)]:
-        with pytest.raises(ShardingError):
-            kv_heads_of_rank(K, tp, 0)
+    # what cannot be split evenly: tp not dividing K >= tp, and K < tp not dividing tp (K/V heads would be
+    # replicated on unequal numbers of ranks, or a rank would read a head that does not exist)
+    for K, tp in [(6, 4), (3, 2), (3, 4), (4, 6), (2, 3)]:
+        for rank in range(tp):
+            try:
+                got = kv_heads_of_rank(K, tp, rank)
+            except ShardingError:
+                continue
+            raise AssertionError(
+                f"K = {K} key/value heads over tp = {tp} ranks, rank {rank}: returned {got}; expected a "
+                f"ShardingError ({'tp does not divide K' if K >= tp else 'K does not divide tp'})"
+            )
 
 
 @pytest.mark.graded(problem="tp_layer", points=1)
@@ -103,8 +112,16 @@ def test_row_parallel_linear_all_reduces_once_then_adds_the_bias():
         return part(x[:, 4 * rank : 4 * rank + 4])
 
     for rank, y in enumerate(ranks.run(rank_forward)):
-        torch.testing.assert_close(y, expected, msg=f"rank {rank}: y = x W^T + b, the bias added once")
-        assert [name for name, _ in ranks.calls[rank]] == ["all_reduce"], f"rank {rank}: {ranks.calls[rank]}"
+        calls = [name for name, _ in ranks.calls[rank]]
+        assert calls == ["all_reduce"], (
+            f"rank {rank}: the forward made the collective calls {calls}; a row-parallel product sums its "
+            "partial results with exactly one all_reduce"
+        )
+        torch.testing.assert_close(
+            y, expected,
+            msg=lambda detail, rank=rank: f"rank {rank}: y = x W^T + b with the partial sums all-reduced and "
+            f"the bias added once, after the all-reduce (added before it, it counts tp times)\n{detail}",
+        )  # fmt: skip
 
 
 # ================================================================================= vocab_parallel

@@ -78,6 +78,15 @@ WRONG = [
     ),
     dict(
         problem="tp_layer",
+        name="replicates_unevenly",
+        mistake="with fewer K/V heads than ranks, does not check that K divides tp (3 heads over 4 ranks: rank 3 "
+        "reads a head 3 that does not exist)",
+        file=TP,
+        find="    if tp % K:\n        raise ShardingError",
+        replace="    if False:\n        raise ShardingError",
+    ),
+    dict(
+        problem="tp_layer",
         name="replicated_head_by_rank_modulo",
         mistake="replicates K/V heads round-robin (rank % K) instead of giving consecutive ranks the head "
         "their query heads read",
