@@ -123,6 +123,25 @@ class GradingPlugin:
         return self._rubric
 
     # ---------------------------------------------------------------- collection
+    def pytest_ignore_collect(self, collection_path, config):
+        """With --problem, a test file that holds none of those problems' graded tests (by the rubric)
+        is not even imported: a student's loop on one problem takes a second, not the whole suite's
+        collection."""
+        only = config.getoption("--problem")
+        if not only or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+            return None
+        keep = {name for value in only for name in value.split(",")}
+        files = {
+            test.split("::")[0]
+            for name, problem in self.rubric.get("problems", {}).items()
+            if name in keep
+            for test in problem.get("tests", {})
+        }
+        if not files:
+            return None  # an unknown problem: collect as usual, so the usual message says so
+        relative = collection_path.relative_to(Path(config.rootpath)).as_posix()
+        return True if relative not in files else None
+
     def pytest_collection_modifyitems(self, config, items):
         only = config.getoption("--problem")
         if only:
