@@ -41,8 +41,6 @@ CASES = [
 ]
 # the native step's refusals: the first switch it meets that step.c does not compute
 NATIVE_REFUSED = {
-    "gemma3_local_global": "sandwich_norm",
-    "gemma3_multimodal": "sandwich_norm",
     "phi4_partial_rotary": "partial_rotary_factor",
 }
 PROMPT = [3, 17, 42, 99, 5, 3, 17, 42, 7]  # a repeat for prompt lookup to find
@@ -95,12 +93,6 @@ def _switched(**fields) -> TransformerLM:
 # every switch step.c does not compute, alone, and the words its refusal must hold
 REFUSED_SWITCHES = {
     "partial_rotary": (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
-    "sandwich_norm": (dict(sandwich_norm=True), "sandwich_norm"),
-    "gelu_tanh": (dict(mlp_act="gelu_tanh"), "GeGLU"),
-    "rope_local_theta": (
-        dict(sliding_window=4, layer_types=[SLIDING, FULL], rope_local_theta=500.0),
-        "rope_local_theta",
-    ),
 }
 
 
@@ -221,10 +213,10 @@ def test_the_default_decode_path_on_the_fast_path_is_generate(case):
 
 
 @pytest.mark.parametrize("case", ["qwen3_qk_norm", "gemma3_local_global"])
-def test_a_draft_heads_native_layer_takes_qk_norm_and_leaves_gemmas_block_readable(case):
-    """fast.install(head) (fast/step/head.py): a head of a Qwen3 target (its block has QK-norm) runs its
-    layer natively, a Gemma 3 target's (sandwich norms, GeGLU) the readable forward; both give the
-    readable head's features."""
+def test_a_draft_heads_native_layer_takes_qk_norm_and_gemmas_block(case):
+    """fast.install(head) (fast/step/head.py): a head of a Qwen3 target (its block has QK-norm) and of a
+    Gemma 3 target (sandwich norms, GeGLU) runs its layer natively and gives the readable head's
+    features."""
     from cs336_inference.draft_head import DraftHead
 
     kernels_or_skip()
@@ -243,7 +235,7 @@ def test_a_draft_heads_native_layer_takes_qk_norm_and_leaves_gemmas_block_readab
         got = head(ids[None, 1:], h[:, :-1], cache=fast_cache)
         want = DraftHead.forward(head, ids[None, 1:], h[:, :-1], cache=ref_cache)
         native = head._native(fast_cache)
-    assert (native is not None) == (case == "qwen3_qk_norm"), f"{case}: native layer {native}"
+    assert native is not None, f"{case}: the head's layer did not run natively"
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 

@@ -38,8 +38,8 @@ MAX_ROWS = 32  # more fp32 rows (prefill) stay on BLAS; 32 = MAX_M of decode.c
 QUANTIZED_MAX_ROWS = 96
 GGML = {"q8_0": 3, "q4_0": 4, "q4_1": 5}  # the format codes of decode.c
 # Q5_0, Q4_K and Q6_K always multiply with 8-bit activations, as llama.cpp does (decode.c's cs336_kq,
-# equal bit for bit to quantization/k8.py's k8_linear). Not in FORMAT_CODES: step.c does not take
-# them, so the native step declines these layers and the eager layers run (codes 8-10 are free there).
+# equal bit for bit to quantization/k8.py's k8_linear). Not in FORMAT_CODES (the compiled ops do not
+# take them); step.c does, under these codes (fast/step/native.py's _product).
 K8_CODES = {"q5_0": 8, "q4_k": 9, "q6_k": 10}
 
 

@@ -9,7 +9,9 @@
        x += o_proj(attend(rope(q), rope(k) -> cache, v -> cache))   with q, k, v = qkv(rmsnorm(x))
        x += down(silu(gate) * up)                                  with gate, up = gateup(rmsnorm(x))
 
-   (with QK-norm, Qwen3's, q and k are RMS-normalized head by head before the rotary)
+   (with QK-norm, Qwen3's, q and k are RMS-normalized head by head before the rotary; Gemma 3's
+   block normalizes each branch's output too before adding it, x += post_norm(o_proj(...)), gates
+   with tanh-GELU instead of SiLU, and rotates its sliding layers with a second table)
 
    in C, calling decode.c's product kernels (exported there) on the stacked q/k/v and gate/up
    weights of fast/step/fuse.py. fast/step/native.py builds its arguments; it is staff code, tested
@@ -45,18 +47,29 @@ void cs336_ggml(int fmt, const float *x, i64 M, i64 I, i64 ldx, const uint8_t *r
                 float *y, int threads);
 void cs336_a8(int fmt, const float *x, i64 M, i64 I, i64 ldx, const uint8_t *w, const uint16_t *scale,
               const uint8_t *zero, i64 G, i64 O, const float *bias, float *y, int threads);
+void cs336_kq(int fmt, const float *x, i64 M, i64 I, i64 ldx, const uint8_t *w, i64 O, const float *bias, float *y,
+              int threads);
 void cs336_exp(float *x, i64 n);
 void cs336_silu_mul(const float *gu, i64 M, i64 F, float *a, int threads);
 
 /* A product: {format, O, groups, weight, scale, zero, bias}. Formats as decode.c (1 int8, 2 int4,
-   3 q8_0, 4 q4_0, 5 q4_1), with 0 = fp32 row-major, 6 = fp32 column-major (W^T contiguous), 7 = fp32
-   in panels of 16 rows (decode.c's cs336_f32_panels), and
+   3 q8_0, 4 q4_0, 5 q4_1; 8 q5_0, 9 q4_k, 10 q6_k, always times x quantized to 8 bits inside,
+   decode.c's `cs336_kq`, as llama.cpp and the fast layers do), with 0 = fp32 row-major, 6 = fp32
+   column-major (W^T contiguous), 7 = fp32 in panels of 16 rows (decode.c's cs336_f32_panels), and
    A8 + format for int4, q8_0 and q4_0 times Q8_0 activations (decode.c's `cs336_a8`). */
-enum { LIN_FIELDS = 7, F32_ROWS = 0, F32_COLS = 6, F32_PANELS = 7, A8 = 16 };
+enum { LIN_FIELDS = 7, F32_ROWS = 0, F32_COLS = 6, F32_PANELS = 7, Q5_0 = 8, Q6_K = 10, A8 = 16 };
 /* A layer: {attn_norm, mlp_norm, k cache, v cache, window (0: none), q_norm, k_norm (QK-norm's [H] gains,
-   0: none), qkv, o, gateup, down}. */
-enum { LAYER_HEAD = 7, LAYER_FIELDS = LAYER_HEAD + 4 * LIN_FIELDS };
-/* dims: {B, T, D, N, K, H, F, S (cache slots), threads} */
+   0: none), post_attn_norm, post_mlp_norm (Gemma 3's sandwich norms' [D] gains, 0: none), flags}, then
+   seven products: q, k, v, o, gate, up, down. q/k/v and gate/up stacked by fast/step/fuse.py (one
+   format) are one product, the q and gate slots, with the k, v and up slots empty (O = 0); groups of
+   mixed formats (a Q4_K_M file's q4_k q/k and q6_k v) run as separate products. */
+enum { LAYER_HEAD = 10, LAYER_FIELDS = LAYER_HEAD + 7 * LIN_FIELDS };
+enum { S_Q = 0, S_O = 3, S_GATE = 4, S_DOWN = 6 }; /* product slots */
+/* flags: LOCAL_ROPE rotates with the second table (Gemma 3's sliding layers, their own base);
+   GELU_TANH gates with tanh-GELU (Gemma's GeGLU) instead of SiLU (SwiGLU) */
+enum { LOCAL_ROPE = 1, GELU_TANH = 2 };
+/* dims: {B, T, D, N, K, H, F, S (cache slots), threads, cos_local, sin_local (the second rotary table's
+   [B, T, H] rows as pointers, 0: none)} */
 
 static void linear(const i64 *L, const float *x, i64 M, i64 I, float *y, int threads) {
     i64 fmt = L[0], O = L[1], G = L[2];
@@ -75,8 +88,40 @@ static void linear(const i64 *L, const float *x, i64 M, i64 I, float *y, int thr
         cs336_a8((int)(fmt - A8), x, M, I, I, (const uint8_t *)w, (const uint16_t *)scale, zero, G, O, bias, y, threads);
     else if (fmt == 2)
         cs336_int4(x, M, I, I, (const uint8_t *)w, (const uint16_t *)scale, zero, G, O, bias, y, threads);
+    else if (fmt >= Q5_0 && fmt <= Q6_K)
+        cs336_kq((int)fmt, x, M, I, I, (const uint8_t *)w, O, bias, y, threads);
     else
         cs336_ggml((int)fmt, x, M, I, I, (const uint8_t *)w, O, bias, y, threads);
+}
+
+/* y [M, Y] = the products P[0..parts) of x side by side along the output (q, k, v or gate, up): one call
+   when they are stacked (P[1]'s O is 0, or a single part), else each into tmp [M, its O], then its columns */
+static void linear_parts(const i64 *P, int parts, const float *x, i64 M, i64 I, float *y, i64 Y, float *tmp,
+                         int threads) {
+    if (parts == 1 || P[LIN_FIELDS + 1] == 0) {
+        linear(P, x, M, I, y, threads);
+        return;
+    }
+    for (i64 p = 0, at = 0; p < parts; p++) {
+        const i64 *L = P + p * LIN_FIELDS;
+        i64 O = L[1];
+        linear(L, x, M, I, tmp, threads);
+        for (i64 m = 0; m < M; m++) memcpy(y + m * Y + at, tmp + m * O, sizeof(float) * (size_t)O);
+        at += O;
+    }
+}
+
+/* a[m, f] = gelu_tanh(gu[m, f]) * gu[m, F + f], as layers.GeGLU (F.gelu(approximate="tanh")):
+   gelu_tanh(z) = 0.5 z (1 + tanh(sqrt(2 / pi) (z + 0.044715 z^3))) */
+static void gelu_mul(const float *gu, i64 M, i64 F, float *a) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+    for (i64 m = 0; m < M; m++) {
+        const float *z = gu + m * 2 * F, *u = z + F;
+        for (i64 f = 0; f < F; f++) {
+            float zf = z[f], inner = beta * (zf + kappa * (zf * zf * zf));
+            a[m * F + f] = 0.5f * zf * (1.f + tanhf(inner)) * u[f];
+        }
+    }
 }
 
 /* sum_i a[i] b[i]: 8 partial sums (vectorizable without reassociating), a fixed tree, the tail */
@@ -422,13 +467,15 @@ typedef struct {
 
 /* x [M, D] (updated in place) through every layer; cos, sin [M, H] (the rows' rotary angles). */
 static int layers_body(Rows *r, i64 M, i64 D, i64 N, i64 K, i64 H, i64 F, int threads, const i64 *layers,
-                       i64 n_layers, float eps, float scale, float *x, const float *cos, const float *sin) {
-    i64 QKV = (N + 2 * K) * H;
+                       i64 n_layers, float eps, float scale, float *x, const float *cos, const float *sin,
+                       const float *cos_local, const float *sin_local) {
+    i64 QKV = (N + 2 * K) * H, widest = QKV > 2 * F ? QKV : 2 * F;
     if (H > 512) return -1;
     float *h = malloc(sizeof(float) * (size_t)(M * D)), *qkv = malloc(sizeof(float) * (size_t)(M * QKV));
     float *att = malloc(sizeof(float) * (size_t)(M * N * H)), *gu = malloc(sizeof(float) * (size_t)(M * 2 * F));
     float *a = malloc(sizeof(float) * (size_t)(M * F)), *y = malloc(sizeof(float) * (size_t)(M * D));
-    int ok = h && qkv && att && gu && a && y;
+    float *tmp = malloc(sizeof(float) * (size_t)(M * widest)); /* a separate q, k, v, gate or up's output */
+    int ok = h && qkv && att && gu && a && y && tmp;
     if (ok && !r->dims) { /* every row's key slots, once for all the layers (tables do not change) */
         i64 total = 0;
         for (i64 m = 0; m < M; m++) total += r->pos[m] + 1;
@@ -442,11 +489,17 @@ static int layers_body(Rows *r, i64 M, i64 D, i64 N, i64 K, i64 H, i64 F, int th
     }
     double t = profiling ? omp_get_wtime() : 0;
     for (i64 l = 0; ok && l < n_layers; l++) {
-        const i64 *L = layers + l * LAYER_FIELDS;
+        const i64 *L = layers + l * LAYER_FIELDS, *P = L + LAYER_HEAD, flags = L[9];
+        const float *post_attn = (const float *)L[7], *post_mlp = (const float *)L[8];
         float *kc = (float *)L[2], *vc = (float *)L[3];
+        if ((flags & LOCAL_ROPE) && !(cos_local && sin_local)) {
+            ok = 0; /* the caller passed no second table */
+            break;
+        }
+        const float *cos_l = flags & LOCAL_ROPE ? cos_local : cos, *sin_l = flags & LOCAL_ROPE ? sin_local : sin;
         rmsnorm(x, (const float *)L[0], h, M, D, eps);
         phase(P_NORMS, &t);
-        linear(L + LAYER_HEAD, h, M, D, qkv, threads);
+        linear_parts(P + S_Q * LIN_FIELDS, 3, h, M, D, qkv, QKV, tmp, threads);
         phase(P_QKV, &t);
         const float *qn = (const float *)L[5], *kn = (const float *)L[6];
         if (qn && kn) { /* QK-norm: each query head, then each key head, normalized over its H dims */
@@ -459,7 +512,7 @@ static int layers_body(Rows *r, i64 M, i64 D, i64 N, i64 K, i64 H, i64 F, int th
         }
         for (i64 m = 0; m < M; m++) {
             float *row = qkv + m * QKV;
-            const float *c = cos + m * H, *s = sin + m * H;
+            const float *c = cos_l + m * H, *s = sin_l + m * H;
             for (i64 n = 0; n < N + K; n++) rope(row + n * H, c, s, H); /* the queries, then the keys */
             for (i64 g = 0; g < K; g++) {
                 i64 at;
@@ -479,33 +532,45 @@ static int layers_body(Rows *r, i64 M, i64 D, i64 N, i64 K, i64 H, i64 F, int th
         else
             attend_paged(M, N, K, H, qkv, kc, vc, L[4], r->pos, r->keys, r->first, scale, threads, att);
         phase(P_ATTEND, &t);
-        linear(L + LAYER_HEAD + LIN_FIELDS, att, M, N * H, y, threads);
+        linear(P + S_O * LIN_FIELDS, att, M, N * H, y, threads);
         phase(P_O, &t);
+        if (post_attn) { /* Gemma 3's sandwich: the branch's output normalized before the residual */
+            rmsnorm(y, post_attn, y, M, D, eps);
+            phase(P_NORMS, &t);
+        }
         for (i64 i = 0; i < M * D; i++) x[i] = x[i] + y[i];
         phase(P_RESIDUAL, &t);
         rmsnorm(x, (const float *)L[1], h, M, D, eps);
         phase(P_NORMS, &t);
-        linear(L + LAYER_HEAD + 2 * LIN_FIELDS, h, M, D, gu, threads);
+        linear_parts(P + S_GATE * LIN_FIELDS, 2, h, M, D, gu, 2 * F, tmp, threads);
         phase(P_GATEUP, &t);
-        cs336_silu_mul(gu, M, F, a, threads);
+        if (flags & GELU_TANH)
+            gelu_mul(gu, M, F, a);
+        else
+            cs336_silu_mul(gu, M, F, a, threads);
         phase(P_SILU, &t);
-        linear(L + LAYER_HEAD + 3 * LIN_FIELDS, a, M, F, y, threads);
+        linear(P + S_DOWN * LIN_FIELDS, a, M, F, y, threads);
         phase(P_DOWN, &t);
+        if (post_mlp) {
+            rmsnorm(y, post_mlp, y, M, D, eps);
+            phase(P_NORMS, &t);
+        }
         for (i64 i = 0; i < M * D; i++) x[i] = x[i] + y[i];
         phase(P_RESIDUAL, &t);
     }
-    free(h), free(qkv), free(att), free(gu), free(a), free(y);
+    free(h), free(qkv), free(att), free(gu), free(a), free(y), free(tmp);
     if (!r->dims) free(r->keys), free(r->first);
     return ok ? 0 : -1;
 }
 
-/* x [B*T, D] (updated in place) through every layer; cos, sin [B, T, H] (the rows' rotary angles);
+/* x [B*T, D] (updated in place) through every layer; cos, sin [B, T, H] (the rows' rotary angles; the
+   sliding layers' own in dims[9], dims[10] where the model has a second table);
    steps [T] (the new tokens' steps = cache slots); pad [B]. Returns 0, or -1 if out of memory. */
 int cs336_layers(const i64 *dims, const i64 *layers, i64 n_layers, float eps, float scale, float *x,
                  const float *cos, const float *sin, const i64 *steps, const i64 *pad) {
     Rows r = {dims, steps, pad, NULL, NULL, NULL, NULL, NULL, 0, 0, NULL, NULL};
     return layers_body(&r, dims[0] * dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], (int)dims[8], layers,
-                       n_layers, eps, scale, x, cos, sin);
+                       n_layers, eps, scale, x, cos, sin, (const float *)dims[9], (const float *)dims[10]);
 }
 
 /* cs336_layers for a tree of T <= 64 drafts (speculative_tree.py): new step steps[0] + i is node i,
@@ -516,11 +581,12 @@ int cs336_layers_tree(const i64 *dims, const i64 *layers, i64 n_layers, float ep
     if (dims[1] > 64) return -1;
     Rows r = {dims, steps, pad, tree, NULL, NULL, NULL, NULL, 0, 0, NULL, NULL};
     return layers_body(&r, dims[0] * dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], (int)dims[8], layers,
-                       n_layers, eps, scale, x, cos, sin);
+                       n_layers, eps, scale, x, cos, sin, (const float *)dims[9], (const float *)dims[10]);
 }
 
 /* The serving engine's step: M rows, each a new token of some sequence, over paged K/V stores.
-   dims {M, D, N, K, H, F, n_blocks (columns of tables), block size, threads}; rows [3, M]: each row's
+   dims {M, D, N, K, H, F, n_blocks (columns of tables), block size, threads, cos_local, sin_local ([M, H]
+   pointers, 0: none)}; rows [3, M]: each row's
    step, slot (block * bs + offset, where its K/V are written) and sequence (its row of tables).
    Layers as cs336_layers, their k and v caches being the paged stores. Returns 0, or -1. */
 int cs336_layers_paged(const i64 *dims, const i64 *layers, i64 n_layers, float eps, float scale, float *x,
@@ -528,5 +594,5 @@ int cs336_layers_paged(const i64 *dims, const i64 *layers, i64 n_layers, float e
     i64 M = dims[0];
     Rows r = {NULL, NULL, NULL, NULL, rows, rows + M, rows + 2 * M, tables, dims[6], dims[7], NULL, NULL};
     return layers_body(&r, M, dims[1], dims[2], dims[3], dims[4], dims[5], (int)dims[8], layers, n_layers, eps,
-                       scale, x, cos, sin);
+                       scale, x, cos, sin, (const float *)dims[9], (const float *)dims[10]);
 }

@@ -140,7 +140,7 @@ class StaticDecodeStep:
             ctx.tree, ctx.tree_start = self.tree, int(self.pos)
         x = model.embed_tokens(self.ids)
         if self.native is not None:
-            x = self.native(x, ctx.cos, ctx.sin, self.steps, self.pad, self.tree_bits)
+            x = self.native(x, ctx.cos, ctx.sin, self.steps, self.pad, self.tree_bits, ctx.local_rope)
         else:
             for block in model.layers:
                 x = block(x, ctx)

@@ -9,15 +9,21 @@ product kernels, so a step is the embedding, one C call, the final norm and the 
 
 Supported (`why_not` says what is not): TransformerBlocks with `Attention` (MHA / GQA / MQA, sliding
 window in a static cache, Qwen2's q/k/v bias), no CLA and no MLA, whose q/k/v and gate/up are
-stacked by fuse.py (on by default), every product fp32 or one of the kernels' quantized formats
-(int8, int4, q8_0, q4_0, q4_1), float32 activations, a CPU with the kernels built. Of the families'
+stacked by fuse.py (on by default; groups of mixed formats, as a Q4_K_M file's, run as separate
+products), every product fp32 or one of the kernels' quantized formats (int8, int4, q8_0, q4_0, q4_1,
+and q5_0, q4_k, q6_k times x quantized to 8 bits as the fast layers and llama.cpp do), float32
+activations, a CPU with the kernels built. Of the families'
 switches (config.py): rope scaling and rope_freqs (only the cos/sin tables the caller passes differ),
 N x H != D, an attention scale of one's own (query_pre_attn_scalar: the scale is an argument),
-embeddings times sqrt(D) (the caller embeds) and Qwen3's QK-norm (step.c normalizes each head's
-queries and keys before the rotary). Not: partial rotary, Gemma 3's sandwich norms, GeGLU and the
-sliding layers' own rotary base; `model_problem` names the switch and the model runs the compiled or
-readable forward instead. The model's own forward stays the reference: tests/test_graphs.py and
-tests/test_families_downstream.py compare the two for every supported shape.
+embeddings times sqrt(D) (the caller embeds), Qwen3's QK-norm (step.c normalizes each head's
+queries and keys before the rotary) and Gemma 3's block: sandwich norms, GeGLU (tanh-GELU) and the
+sliding layers' own rotary table (passed beside the global one; a layer flag picks). Not: partial
+rotary; `model_problem` names the switch and the model runs the compiled or readable forward
+instead. The model's own forward stays the reference: tests/test_graphs.py,
+tests/test_families_downstream.py and tests/test_native_families.py compare the two for every
+supported shape. (K-quant layers quantize x to 8 bits: where step.c's norms round one of x's numbers
+across a rounding boundary that the readable forward's do not, that step's product moves by a step
+of x's blocks; most steps agree to float32 rounding, and greedy tokens can part at a near tie.)
 
 The fp32 products (the stacked groups, o_proj, down_proj and the output matrix) read panels of 16
 rows (decode.c's cs336_f32_panels): a second copy of each fp32 weight made on first use
@@ -61,7 +67,9 @@ from cs336_inference.fast.cpu import build
 from cs336_inference.fast.cpu.ops import (
     A8_CODE,
     FORMAT_CODES,
+    K8_CODES,
     MAX_ROWS,
+    k8_layer,
     linear_fp32,
     linear_panels,
     model_panels_on,
@@ -74,12 +82,15 @@ from cs336_inference.layers import GeGLU, Linear, RMSNorm, SwiGLU
 from cs336_inference.quantization.linear import PackedWeight, QuantizedLinear
 
 QK_NORMS = ("q_norm", "k_norm")  # step.c normalizes each head's queries and keys with these (QK-norm)
+POST_NORMS = ("post_attn_norm", "post_mlp_norm")  # Gemma 3's sandwich norms (each branch's output)
 F32_ROWS, F32_COLS, F32_PANELS = 0, 6, 7  # step.c's fp32 format codes; the quantized ones: ops.FORMAT_CODES
+LOCAL_ROPE, GELU_TANH = 1, 2  # step.c's layer flags: the second rotary table; GeGLU's tanh-GELU
+NO_PRODUCT = [0] * 7  # an empty product slot (O = 0): the group's first slot holds the stacked product
 
 
 def _product_problem(layer) -> str | None:
     if isinstance(layer, QuantizedLinear):
-        if layer.fmt not in FORMAT_CODES or layer.qweight.device.type != "cpu":
+        if layer.qweight.device.type != "cpu" or not (layer.fmt in FORMAT_CODES or k8_layer(layer)):
             return f"a {layer.fmt} layer"
         if layer.fmt == "int4" and layer.scale.dtype != torch.float16:
             return "an int4 layer with float32 scales"
@@ -130,13 +141,14 @@ def model_problem(model) -> str | None:
             return f"layer {i} is {type(attn).__name__} attention (MLA runs the compiled step)"
         if attn.owner != i:
             return f"layer {i} borrows its K/V (CLA runs the compiled step)"
-        problem = _family_problem(i, block, first)
+        problem = _family_problem(i, block, first, model)
         if problem:
             return problem
         if (
-            type(mlp) is not SwiGLU
+            type(mlp) not in (SwiGLU, GeGLU)
             or type(block.attn_norm) is not RMSNorm
             or type(block.mlp_norm) is not RMSNorm
+            or any(type(norm) is not RMSNorm for norm in _post_norms(block))
         ):
             return f"layer {i} has another MLP or norm"
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -150,21 +162,24 @@ def model_problem(model) -> str | None:
     return None
 
 
-def _family_problem(i: int, block, first) -> str | None:
+def _family_problem(i: int, block, first, model) -> str | None:
     """The switch of another family (config.py) that layer i has and step.c does not compute, if any."""
     attn = block.attn
-    if hasattr(block, "post_attn_norm"):
-        return f"layer {i} normalizes its attention and MLP outputs too (sandwich_norm): step.c does not"
-    if type(block.mlp) is GeGLU:
-        return f"layer {i}'s MLP is GeGLU (mlp_act gelu_tanh): step.c computes SwiGLU"
-    if attn.local_rope:
-        return f"layer {i} rotates with its own base (rope_local_theta): step.c takes one rotary table"
+    if len(_post_norms(block)) == 1:
+        return f"layer {i} normalizes its attention or its MLP output but not both"
+    if attn.local_rope and not hasattr(model, "rope_cos_local"):
+        return f"layer {i} rotates with its own base, but the model holds no second rotary table"
     if len(_qk_norms(attn)) == 1:
         return f"layer {i} normalizes its queries or its keys but not both"
-    norms = [block.attn_norm, block.mlp_norm, *_qk_norms(attn)]
+    norms = [block.attn_norm, block.mlp_norm, *_qk_norms(attn), *_post_norms(block)]
     if attn.scale != first.attn.scale or any(n.eps != first.attn_norm.eps for n in norms):
         return f"layer {i}'s attention scale or norm eps differs from layer 0's: step.c takes one of each"
     return None
+
+
+def _post_norms(block) -> list:
+    """Gemma 3's post-attention and post-MLP norms of a block (sandwich_norm), or none."""
+    return [getattr(block, name) for name in POST_NORMS if hasattr(block, name)]
 
 
 def _qk_norms(attn) -> list:
@@ -179,6 +194,8 @@ def _product(layer, panels_too: bool, stamp: object = None) -> list[int]:
     if isinstance(layer, QuantizedLinear):
         scale, zero = getattr(layer, "scale", None), getattr(layer, "zero", None)
         groups = scale.shape[1] if layer.fmt == "int4" else 0
+        if layer.fmt in K8_CODES:  # q5_0 / q4_k / q6_k: x quantized to 8 bits inside (decode.c's cs336_kq)
+            return [K8_CODES[layer.fmt], layer.d_out, 0, layer.qweight.data_ptr(), 0, 0, bias]
         code = FORMAT_CODES[layer.fmt] + (A8_CODE if layer.activations is not None else 0)
         return [
             code, layer.d_out, groups, layer.qweight.data_ptr(),
@@ -191,6 +208,14 @@ def _product(layer, panels_too: bool, stamp: object = None) -> list[int]:
     if code is None:
         raise ValueError(f"a float32 weight of strides {w.stride()} is neither row- nor column-major")
     return [code, w.shape[0], 0, w.data_ptr(), 0, 0, bias]
+
+
+def _group(layers: list, panels_too: bool) -> list[int]:
+    """step.c's product slots of q/k/v or gate/up: the stacked product and empty slots where fuse.py
+    stacked them (one format), else each member's own product (a Q4_K_M file's mixed formats)."""
+    if hasattr(layers[0], "siblings"):
+        return _stacked(layers[0], panels_too) + NO_PRODUCT * (len(layers) - 1)
+    return [field for layer in layers for field in _product(layer, panels_too)]
 
 
 def _stacked(first, panels_too: bool) -> list[int]:
@@ -216,16 +241,18 @@ class NativeLayers:
         problem = self.why_not(model, cache)
         if problem:
             raise ValueError(f"the native step cannot run this model: {problem}")
-        for block in model.layers:  # stacked by StaticDecodeStep (fuse_siblings) before this
-            if not hasattr(block.attn.q_proj, "siblings") or not hasattr(block.mlp.gate_proj, "siblings"):
-                raise ValueError(
-                    "the native step cannot run this model: its q/k/v or gate/up could not be stacked"
-                )
+        # q/k/v and gate/up are stacked by StaticDecodeStep (fuse_siblings) before this where they share
+        # a format; the others (a Q4_K_M file's q4_k q/k and q6_k v) run as separate products
         self.model, self.cache, self.lib = model, cache, build.library()
         attn = model.layers[0].attn
         self.shape = (model.config.d_model, attn.n_heads, attn.n_kv_heads, attn.head_dim, model.config.d_ff)
         self.eps, self.scale = model.layers[0].attn_norm.eps, attn.scale
         self.windows = [block.attn.window or 0 for block in model.layers]
+        self.flags = [
+            (LOCAL_ROPE if block.attn.local_rope else 0) | (GELU_TANH if type(block.mlp) is GeGLU else 0)
+            for block in model.layers
+        ]
+        self.local = any(block.attn.local_rope for block in model.layers)  # needs the second table
         # what a step reads, as (block, submodule, layer, tensor) names: a tensor or a module replaced,
         # or a tensor re-stored, moves a data pointer, and the descriptor is built again (stacking a
         # group again if one of its members moved)
@@ -233,6 +260,7 @@ class NativeLayers:
         for block in model.layers:
             self._watch += [(block, "attn_norm", None, "weight"), (block, "mlp_norm", None, "weight")]
             self._watch += [(block, "attn", name, "weight") for name in QK_NORMS if hasattr(block.attn, name)]
+            self._watch += [(block, name, None, "weight") for name in POST_NORMS if hasattr(block, name)]
             for part, names in (("attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj"))):  # fmt: skip
                 for name in names:
                     layer = getattr(getattr(block, part), name)
@@ -290,12 +318,15 @@ class NativeLayers:
             rows += [k.data_ptr(), v.data_ptr(), self.windows[i]]
             # QK-norm (Qwen3): each head's queries and keys RMS-normalized before the rotary (0: none)
             rows += [norm.weight.data_ptr() for norm in _qk_norms(attn)] or [0, 0]
+            # Gemma 3's sandwich norms (0: none) and the layer's flags
+            rows += [norm.weight.data_ptr() for norm in _post_norms(block)] or [0, 0]
+            rows += [self.flags[i]]
             for product in (
-                _stacked(attn.q_proj, self.panels), _product(attn.o_proj, self.panels),
-                _stacked(mlp.gate_proj, self.panels), _product(mlp.down_proj, self.panels),
+                _group([attn.q_proj, attn.k_proj, attn.v_proj], self.panels), _product(attn.o_proj, self.panels),
+                _group([mlp.gate_proj, mlp.up_proj], self.panels), _product(mlp.down_proj, self.panels),
             ):  # fmt: skip
                 rows += product
-                codes.add(product[0])
+                codes.update(product[j] for j in range(0, len(product), 7) if product[j + 1])
         # every kernel but the panels' keeps at most MAX_ROWS rows' sums on its stack
         self.max_rows = MAX_ROWS if codes - {F32_PANELS} else 1 << 62
         return torch.tensor(rows, dtype=torch.int64)
@@ -308,10 +339,12 @@ class NativeLayers:
         steps: Int[Tensor, " T"],
         pad: Int[Tensor, " B"],
         tree: Int[Tensor, " T"] | None = None,
+        local: tuple[Tensor, Tensor] | None = None,
     ) -> Float[Tensor, "B T D"]:
         """tree: a tree pass (speculative_tree.py): new step steps[0] + i sees the new steps whose bits
-        tree[i] sets (its ancestors and itself), T <= 64. B * T rows: up to MAX_ROWS unless every
-        product reads fp32 panels (ValueError, one line)."""
+        tree[i] sets (its ancestors and itself), T <= 64. local: the sliding layers' own (cos, sin)
+        (ctx.local_rope; needed where a layer rotates with its own base). B * T rows: up to MAX_ROWS
+        unless every product reads fp32 panels (ValueError, one line)."""
         B, T, _ = x.shape
         D, N, K, H, F = self.shape
         S = self.cache.layers[0].k.shape[2]
@@ -321,16 +354,22 @@ class NativeLayers:
                 f"the native step takes up to {self.max_rows} rows with these weights, got {B * T}"
             )
         if tree is None:
-            return self._run(self.lib.cs336_layers, layers, [B, T, D, N, K, H, F, S], x, cos, sin, steps, pad)
+            dims = [B, T, D, N, K, H, F, S]
+            return self._run(self.lib.cs336_layers, layers, dims, x, local, cos, sin, steps, pad)
         if T > 64 or not hasattr(self.lib, "cs336_layers_tree"):
             raise ValueError(f"the native tree pass takes up to 64 nodes with this library, got {T}")
         dims = [B, T, D, N, K, H, F, S]
-        return self._run(self.lib.cs336_layers_tree, layers, dims, x, cos, sin, steps, pad, tree)
+        return self._run(self.lib.cs336_layers_tree, layers, dims, x, local, cos, sin, steps, pad, tree)
 
-    def _run(self, fn, layers: Tensor, dims: list[int], x: Tensor, *inputs: Tensor) -> Tensor:
-        """fn(dims + [threads], the layers' descriptor, L, eps, scale, x, *inputs): x updated in place."""
+    def _run(self, fn, layers: Tensor, dims: list[int], x: Tensor, local, *inputs: Tensor) -> Tensor:
+        """fn(dims + [threads, cos_local, sin_local], the layers' descriptor, L, eps, scale, x, *inputs):
+        x updated in place. local: the sliding layers' own (cos, sin), shaped as the inputs' cos and sin."""
+        if self.local and local is None:
+            raise ValueError("this model's sliding layers rotate with their own table: pass local=(cos, sin)")
+        local = [] if local is None else [t.contiguous() for t in local]
         x, inputs = x.contiguous(), [t.contiguous() for t in inputs]
-        dims = torch.tensor([*dims, torch.get_num_threads()], dtype=torch.int64)
+        tables = [t.data_ptr() for t in local] or [0, 0]
+        dims = torch.tensor([*dims, torch.get_num_threads(), *tables], dtype=torch.int64)
         pointers = [t.data_ptr() for t in inputs]
         status = fn(dims.data_ptr(), layers.data_ptr(), len(self.model.layers), self.eps, self.scale, x.data_ptr(), *pointers)  # fmt: skip
         if status != 0:

@@ -13,8 +13,8 @@ Row by row the operations are those of the native step over a static cache (the 
 norms and rotary, each head's keys visited in step order), and no row's numbers depend on the other
 rows of the step: a request gets bitwise the same logits alone as beside others
 (tests/test_paged_native.py, which also compares every step with the readable forward). Longer steps (a prompt chunk past MAX_ROWS tokens) and models or caches it cannot
-run (`why_not_paged`: MLA, CLA, another dtype, the families' switches step.c does not compute: partial
-rotary, Gemma 3's block) take the readable forward.
+run (`why_not_paged`: MLA, CLA, another dtype, the families' switches step.c does not compute:
+partial rotary) take the readable forward.
 """
 
 from __future__ import annotations
@@ -70,10 +70,12 @@ class PagedLayers(NativeLayers):
         sin: Float[Tensor, "M H"],
         rows: Int[Tensor, "3 M"],
         tables: Int[Tensor, "n blocks"],
+        local: tuple[Tensor, Tensor] | None = None,
     ) -> Float[Tensor, "M D"]:
+        """local: the sliding layers' own (cos, sin) [M, H] where the model has a second table."""
         D, N, K, H, F = self.shape
         dims = [x.shape[0], D, N, K, H, F, tables.shape[1], self.cache.block_size]
-        return self._run(self.lib.cs336_layers_paged, self._layers(), dims, x, cos, sin, rows, tables)
+        return self._run(self.lib.cs336_layers_paged, self._layers(), dims, x, local, cos, sin, rows, tables)
 
 
 class PagedStep:
@@ -93,7 +95,10 @@ class PagedStep:
         rows = torch.stack([batch.positions, batch.slots, seq])
         x = model.embed_tokens(input_ids)
         positions = batch.positions
-        x = self.layers(x, model.rope_cos[positions], model.rope_sin[positions], rows, tables)
+        local = None  # Gemma 3's sliding layers rotate with their own table
+        if hasattr(model, "rope_cos_local"):
+            local = (model.rope_cos_local[positions], model.rope_sin_local[positions])
+        x = self.layers(x, model.rope_cos[positions], model.rope_sin[positions], rows, tables, local)
         if return_hidden:  # every row's features too, as the readable forward_paged gives them
             h = model.norm(x)
             return self.output(h[batch.logit_rows]), h
