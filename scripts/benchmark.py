@@ -51,6 +51,14 @@ matrices kept as the file stores them), each load in a fresh process (cs336_infe
 
     python scripts/benchmark.py load --markdown docs/measured/load.md
 
+`gguf`: 0.3B-1B GGUF files, ours against llama.cpp with the same threads: Llama-3.2-1B- and
+Qwen3-0.6B-shaped models (random weights) written as F32 / Q8_0 / Q4_K_M (cached in runs/gguf-bench/)
+and the real Gemma 3 270M Q4_K_M file: decode and 512-token prefill tokens/s (interleaved), load
+seconds and peak memory in fresh processes (cs336_inference/bench/gguf.py).
+
+    python scripts/benchmark.py gguf --models gemma270m --formats q4_k_m
+    python scripts/benchmark.py gguf --markdown docs/measured/gguf.md --out runs/gguf.json
+
 `http`: scripts/serve.py (continuous and static batching) and llama.cpp's servers (llama-cpp-python's,
 if installed; the C++ llama-server with --llama-server PATH) on the same GGUF, driven over HTTP by
 the `openai` client from another process at Poisson arrival rates: throughput, TTFT, TPOT, latency
@@ -752,6 +760,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     lod.add_argument("--runs", type=int, default=3, help="loads per model and mode, alternated")
     lod.add_argument("--out", type=Path, help="write the results as JSON here")
+    ggu = sub.add_parser("gguf", help="0.3B-1B GGUF files: ours vs llama.cpp decode, prefill, load")
+    ggu.add_argument("--models", default="llama1b,qwen06b,gemma270m", help="comma-separated models")
+    ggu.add_argument("--formats", default="f32,q8_0,q4_k_m", help="comma-separated GGUF formats")
+    ggu.add_argument("--threads", type=int, help="threads of both engines (default: torch's)")
+    ggu.add_argument("--runs", type=int, default=3, help="interleaved rounds (median) after a warm-up")
+    ggu.add_argument("--new-tokens", type=int, default=32, help="greedy decode steps per round")
+    ggu.add_argument("--prompt-len", type=int, default=512, help="prefill prompt tokens")
+    ggu.add_argument("--load-runs", type=int, default=1, help="loads per file and engine (fresh processes)")
+    ggu.add_argument("--folder", type=Path, help="where the written GGUF files are cached (runs/gguf-bench)")
+    ggu.add_argument("--no-llama", action="store_true", help="leave out llama.cpp's rows")
+    ggu.add_argument("--out", type=Path, help="write the results as JSON here")
     gra = sub.add_parser("grammar", help="structured output: the JSON grammar's mask cost per token")
     gra.add_argument("--model", help="checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     gra.add_argument(
@@ -834,6 +853,10 @@ def main(argv: list[str] | None = None) -> int:
             from cs336_inference.bench.load import run_load
 
             result = run_load(args.models.split(","), args.runs)
+        elif args.command == "gguf":
+            from cs336_inference.bench.gguf import run_gguf
+
+            result = run_gguf(args)
         elif args.command == "tp":
             result = run_tp(args)
         else:
@@ -849,7 +872,19 @@ def main(argv: list[str] | None = None) -> int:
     table = (
         result["table"]
         if args.command
-        in ("quant", "speculative", "gpu", "kernels", "engine", "contention", "http", "grammar", "tp", "load")
+        in (
+            "quant",
+            "speculative",
+            "gpu",
+            "kernels",
+            "engine",
+            "contention",
+            "http",
+            "grammar",
+            "tp",
+            "load",
+            "gguf",
+        )
         else format_report(result)
     )
     print(table)

@@ -16,14 +16,18 @@ import sys
 from pathlib import Path
 
 CHILD = """
-import json, resource, sys, time
+import json, sys, time
+def hwm():  # this process's peak resident kB (VmHWM; ru_maxrss would start from the parent's at the fork)
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
 import torch
 from cs336_inference import load_pretrained
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = hwm()
 start = time.perf_counter()
 model = load_pretrained(sys.argv[1], packed=sys.argv[2] == "packed")
 seconds = time.perf_counter() - start
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+after = hwm()
 print(json.dumps({"seconds": seconds, "before_kb": before, "after_kb": after}))
 """
 MODES = ("float32", "packed")
