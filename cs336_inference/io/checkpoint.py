@@ -18,7 +18,7 @@ import importlib.util
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -184,7 +184,7 @@ def check_shape(source: str, fname: str, shape: tuple[int, ...], want: tuple[int
 
 def build_model(
     cfg: ModelConfig,
-    tensors: dict[str, Tensor],
+    tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]],
     file_name: Callable[[str], str],
     source: str,
     dtype: torch.dtype = torch.float32,
@@ -194,28 +194,29 @@ def build_model(
     """TransformerLM(cfg) with `tensors` (keyed by the file's names) checked and loaded.
 
     file_name maps one of our state-dict names to the name the file uses for it. The model is built
-    without random initialisation (TransformerLM.empty): every weight comes from `tensors`.
+    without random initialisation (TransformerLM.empty): every weight comes from `tensors`, a mapping
+    or (name, tensor) pairs read lazily; each is copied into the model as it comes, so a file read one
+    tensor at a time never holds a second copy of all the weights.
     """
     model = TransformerLM.empty(cfg, dtype, device)
     expected = model.state_dict()
     by_file_name = {file_name(name): name for name in expected}
     # Some files also store the tied output matrix; the model reads the embedding instead.
     ignore_tied = file_name("lm_head.weight") if cfg.tie_embeddings else None
-    state: dict[str, Tensor] = {}
-    for fname, tensor in tensors.items():
+    loaded: set[str] = set()
+    for fname, tensor in tensors.items() if isinstance(tensors, Mapping) else tensors:
         if fname == ignore_tied or ignore(fname):
             continue
         if fname not in by_file_name:
             raise CheckpointError(f"{source}: unexpected tensor {fname} (the config has no such weight)")
         name = by_file_name[fname]
         check_shape(source, fname, tuple(tensor.shape), tuple(expected[name].shape))
-        state[name] = tensor
-    missing = [file_name(name) for name in expected if name not in state]
-    if missing:
+        copy_weight_(expected[name], tensor)  # into the model's own (column-major) storage
+        loaded.add(name)
+    missing = [file_name(name) for name in expected if name not in loaded]
+    if missing:  # with the checks above: load_state_dict(strict=True)
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{source}: missing tensor {missing[0]}{more}")
-    for name, tensor in state.items():  # every name is checked above: this is load_state_dict(strict=True)
-        copy_weight_(expected[name], tensor)  # into the model's own (column-major) storage
     return model.eval()
 
 
@@ -289,8 +290,7 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: str | torch.device) -
 def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device) -> TransformerLM:
     gguf = gguf_read.read_gguf(path)
     cfg = gguf_read.config_of(gguf)
-    tensors = gguf_read.read_tensors(gguf, cfg)
-    del gguf  # its memory map
+    tensors = gguf_read.iter_tensors(gguf, cfg)  # dequantized one at a time, as build_model copies them
     return build_model(cfg, tensors, gguf_read.ours_to_gguf, str(path), dtype, device)
 
 

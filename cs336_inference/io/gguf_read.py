@@ -25,8 +25,10 @@ pairs (j, j + H/2) ("rotate half"). `unpermute_qk` undoes that reorder.
 
 from __future__ import annotations
 
+import mmap
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,6 +168,15 @@ class GGUFFile:
         """The stored bytes of one tensor, one row of the matrix per row: [rows, bytes per row]."""
         t = self.tensors[name]
         return self.data[t.offset : t.offset + t.nbytes].reshape(*t.shape[:-1], -1)
+
+    def release(self, name: str) -> None:
+        """Unmap the pages of one tensor that was read (they stay in the page cache): a loader that
+        dequantizes tensor by tensor then does not hold the file's pages and the model's floats both."""
+        t, mapping = self.tensors[name], getattr(self.data, "_mmap", None)
+        page = mmap.PAGESIZE
+        start, end = -(-t.offset // page) * page, (t.offset + t.nbytes) // page * page
+        if mapping is not None and hasattr(mapping, "madvise") and end > start:
+            mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 class _Cursor:
@@ -478,10 +489,16 @@ def split_fused(cfg: ModelConfig, name: str, w: Tensor) -> dict[str, Tensor]:
     return {name: w}
 
 
-def read_tensors(gguf: GGUFFile, cfg: ModelConfig) -> dict[str, Tensor]:
-    """Every weight of the file as float32, by GGUF name (`read_tensor`; fused ones split)."""
-    out: dict[str, Tensor] = {}
+def iter_tensors(gguf: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, Tensor]]:
+    """Every weight of the file as float32, by GGUF name (`read_tensor`; fused ones split), one at a
+    time: a loader that copies each into the model holds one tensor's floats at a time."""
     for name in gguf.tensors:
         if name not in IGNORED:
-            out.update(split_fused(cfg, name, read_tensor(gguf, name, cfg)))
-    return out
+            pieces = split_fused(cfg, name, read_tensor(gguf, name, cfg))
+            gguf.release(name)  # read_tensor copied what it needs
+            yield from pieces.items()
+
+
+def read_tensors(gguf: GGUFFile, cfg: ModelConfig) -> dict[str, Tensor]:
+    """Every weight of the file as float32, by GGUF name (`iter_tensors`, all at once)."""
+    return dict(iter_tensors(gguf, cfg))
