@@ -42,7 +42,7 @@ from torch import Tensor
 
 from cs336_inference.quantization.a8 import quantize_activations
 from cs336_inference.quantization.ggml_blocks import _fp16_value
-from cs336_inference.quantization.kquants import BLOCK, QK_K
+from cs336_inference.quantization.kquants import BLOCK, QK_K, unpack_scales_mins
 
 K8_FORMATS = ("q5_0", "q4_k", "q6_k")  # stored formats multiplied with 8-bit activations
 
@@ -83,21 +83,11 @@ def q5_0_integers(raw: Tensor) -> tuple[Float[Tensor, "O n"], Float[Tensor, "O n
     return _fp16(b[..., :2]), (q - 16).float()
 
 
-def q4_k_scales_mins(k: Tensor) -> tuple[Tensor, Tensor]:
-    """Q4_K's 12 bytes [..., 12] -> the 8 scales and 8 mins [..., 8] (int64): bytes 0-3 hold s_0..s_3 and
-    bytes 4-7 m_0..m_3 in their low 6 bits; bytes 8-11 the low 4 bits of s_4..s_7 (low nibble) and
-    m_4..m_7 (high nibble), whose top 2 bits ride in the top bits of bytes 0-3 and 4-7."""
-    k = k.long()
-    s = torch.cat([k[..., 0:4] & 63, (k[..., 8:12] & 0xF) | ((k[..., 0:4] >> 6) << 4)], dim=-1)
-    m = torch.cat([k[..., 4:8] & 63, (k[..., 8:12] >> 4) | ((k[..., 4:8] >> 6) << 4)], dim=-1)
-    return s, m
-
-
 def q4_k_integers(raw: Tensor):
     """(d, dmin, s [O n 8], m [O n 8], q [O n 8 32]) of every Q4_K super-block (kquants.py's layout)."""
     b = _super_blocks(raw, "q4_k")
     rows, n = b.shape[:2]
-    s, m = q4_k_scales_mins(b[..., 4:16])
+    s, m = (t.view(rows, n, 8) for t in unpack_scales_mins(b[..., 4:16].reshape(rows * n, 12)))
     qs = b[..., 16:].reshape(rows, n, 4, 1, 32).long()
     q = torch.cat([qs & 0xF, qs >> 4], dim=3).reshape(rows, n, 8, 32)  # sub-block 2h: low nibbles of chunk h
     return _fp16(b[..., 0:2]), _fp16(b[..., 2:4]), s.float(), m.float(), q.float()
